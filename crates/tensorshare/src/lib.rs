@@ -1,0 +1,52 @@
+//! tensorshare: tensors shared between processes without copying — torch.multiprocessing
+//! for Rust.
+//!
+//! Tensors live in shared memory (memfd or named segments), cut from a few large arenas;
+//! any serde value holding them travels through queues, pipes and process arguments as a
+//! small message plus the arenas' descriptors, and the receiver maps the same pages.
+//!
+//! ```
+//! use tensorshare::{DType, Tensor};
+//!
+//! # fn main() -> tensorshare::Result<()> {
+//! let mut x = Tensor::zeros(&[5, 5], DType::F32);
+//! x.share_memory()?; // in place: x.is_shared() is now true
+//! let mut col = x.narrow(1, 1, 1)?; // a view of the same shared memory
+//! col.fill(4.0f32)?;
+//! assert_eq!(x.to_vec::<f32>()?[1], 4.0);
+//! assert!(col.is_shared());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Aliasing
+//! Clones and views of a tensor reach the same bytes, in this process and in every process
+//! the tensor was sent to. As in torch, the program orders concurrent access (a message on
+//! a queue orders what came before `put` before what comes after `get`), or updates through
+//! the lock-free [`AtomicView`].
+#![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod arena;
+mod dtype;
+mod error;
+mod nested;
+pub mod shm;
+mod sparse;
+mod storage;
+mod strategy;
+mod tensor;
+mod thread;
+mod util;
+
+pub use arena::trim as trim_arenas;
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use nested::NestedTensor;
+pub use sparse::{SparseLayout, SparseTensor};
+pub use storage::Storage;
+pub use strategy::{
+    get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy, SharingStrategy, STRATEGY_ENV,
+};
+pub use tensor::{AtomicElement, AtomicView, Device, Tensor, TensorKind};
+pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};

@@ -1,0 +1,218 @@
+//! Operating-system shared memory: a [`Segment`] is a memfd (file_descriptor strategy) or a
+//! named file in the shared-memory directory (file_system strategy), with its space reserved
+//! up front and mapped once per process.
+//!
+//! Everything here is Linux. A macOS backend (file_system only) would replace this module.
+
+mod limits;
+mod named;
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::io::Errno;
+use rustix::mm::{MapFlags, ProtFlags};
+
+pub use limits::{available_bytes, shm_dir, SHM_DIR_ENV};
+pub use named::{is_valid_name, unlink as unlink_name, NAME_PREFIX};
+
+use crate::{Error, Result, SharingStrategy};
+
+/// The identity of a segment, the same in every process that maps it: the key of the
+/// receive cache.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentId {
+    /// A memfd, by device and inode number.
+    Inode {
+        /// `st_dev`.
+        dev: u64,
+        /// `st_ino`.
+        ino: u64,
+    },
+    /// A named segment, by its file name in the shared-memory directory.
+    Name(String),
+}
+
+/// A shared-memory segment mapped into this process (read and write).
+///
+/// The descriptor is kept open so that the segment can be sent on to other processes.
+pub struct Segment {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+    id: SegmentId,
+    /// For a named segment that this process created: unlink it on drop.
+    owned_name: Option<String>,
+}
+
+// SAFETY: the segment is a mapping of shared memory plus a file descriptor; neither is tied
+// to a thread. Access to the bytes is governed by the storages built on it.
+unsafe impl Send for Segment {}
+// SAFETY: as above; `&Segment` only hands out the address and length.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment").field("id", &self.id).field("len", &self.len).finish()
+    }
+}
+
+impl Segment {
+    /// Creates a segment of `len` bytes (`len > 0`) with the given strategy, its space
+    /// reserved with `fallocate`, so that a full filesystem or memory limit is an
+    /// [`Error::OutOfSharedMemory`] now and never a SIGBUS later.
+    pub fn create(len: usize, strategy: SharingStrategy) -> Result<Segment> {
+        assert!(len > 0, "Segment::create needs a positive length");
+        match strategy {
+            SharingStrategy::FileDescriptor => {
+                let fd = rustix::fs::memfd_create("tensorshare", MemfdFlags::CLOEXEC)
+                    .map_err(|e| Error::io("memfd_create", e))?;
+                reserve(&fd, len, "memfd")?;
+                let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a new memfd", e))?;
+                let id = SegmentId::Inode { dev: st.st_dev, ino: st.st_ino };
+                Segment::map(fd, len, id, None)
+            }
+            SharingStrategy::FileSystem => {
+                let (fd, name) = named::create_exclusive()?;
+                let dir = shm_dir();
+                if let Err(e) = reserve(&fd, len, &dir.display().to_string()) {
+                    named::unlink(&name);
+                    return Err(e);
+                }
+                Segment::map(fd, len, SegmentId::Name(name.clone()), Some(name))
+            }
+        }
+    }
+
+    /// Maps a memfd received from another process. `min_len` is the size the sender
+    /// claims; the file must be at least that long.
+    pub fn from_fd(fd: OwnedFd, min_len: usize) -> Result<Segment> {
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received fd", e))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(Error::invalid("a received descriptor is not a shared-memory file"));
+        }
+        let size = usize::try_from(st.st_size)
+            .map_err(|_| Error::invalid("a received shared-memory file has a negative size"))?;
+        if size < min_len || size == 0 {
+            return Err(Error::invalid(format!(
+                "a received shared-memory file has {size} bytes, the message claims {min_len}"
+            )));
+        }
+        Segment::map(fd, size, SegmentId::Inode { dev: st.st_dev, ino: st.st_ino }, None)
+    }
+
+    /// Opens and maps a named segment made by another process.
+    pub fn open_named(name: &str, min_len: usize) -> Result<Segment> {
+        let fd = named::open_existing(name)?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::io(format!("fstat of {name}"), e))?;
+        let size = usize::try_from(st.st_size).unwrap_or(0);
+        if size < min_len || size == 0 {
+            return Err(Error::invalid(format!(
+                "shared-memory segment {name} has {size} bytes, the message claims {min_len}"
+            )));
+        }
+        Segment::map(fd, size, SegmentId::Name(name.to_owned()), None)
+    }
+
+    fn map(fd: OwnedFd, len: usize, id: SegmentId, owned_name: Option<String>) -> Result<Segment> {
+        // SAFETY: a fresh shared mapping of a file we hold open; no Rust object aliases the
+        // returned range until this `Segment` hands it out. A file shorter than the mapping
+        // is excluded above (fstat or our own reservation), so no access faults.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        };
+        let ptr = match ptr {
+            Ok(p) => p,
+            Err(e) => {
+                if let Some(name) = &owned_name {
+                    named::unlink(name);
+                }
+                return Err(Error::io(format!("mmap of {len} bytes of shared memory"), e));
+            }
+        };
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
+        Ok(Segment { fd, ptr, len, id, owned_name })
+    }
+
+    /// The first byte of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The mapping's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the segment has no bytes (never true: segments are created non-empty).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The identity shared by every process that maps this segment.
+    pub fn id(&self) -> &SegmentId {
+        &self.id
+    }
+
+    /// The file name, for a named segment.
+    pub fn name(&self) -> Option<&str> {
+        match &self.id {
+            SegmentId::Name(n) => Some(n),
+            SegmentId::Inode { .. } => None,
+        }
+    }
+
+    /// The descriptor, to pass the segment on.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Stops this process from unlinking the named segment when it is dropped: another
+    /// owner (a lifetime protocol) takes over.
+    pub fn disown_name(&mut self) -> Option<String> {
+        self.owned_name.take()
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr+len` is the mapping made in `map`, and every storage that points
+        // into it holds an `Arc<Segment>`, so nothing uses it any more.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if let Some(name) = &self.owned_name {
+            named::unlink(name);
+        }
+    }
+}
+
+/// Sizes the file and reserves its space, so that later page faults cannot fail.
+fn reserve(fd: &OwnedFd, len: usize, place: &str) -> Result<()> {
+    let requested = len as u64;
+    // fallocate on tmpfs fills page by page before it fails; refuse what cannot fit up
+    // front, so that an impossible request neither takes the machine's memory for a moment
+    // nor wakes the OOM killer.
+    let available = available_bytes(Some(fd.as_fd()));
+    if requested > available {
+        return Err(Error::OutOfSharedMemory { requested, available, place: place.to_owned() });
+    }
+    rustix::fs::ftruncate(fd, requested).map_err(|e| Error::io(format!("ftruncate to {len} bytes"), e))?;
+    match rustix::fs::fallocate(fd, FallocateFlags::empty(), 0, requested) {
+        Ok(()) => Ok(()),
+        Err(Errno::NOSPC) | Err(Errno::NOMEM) | Err(Errno::FBIG) | Err(Errno::DQUOT) => {
+            Err(Error::OutOfSharedMemory {
+                requested,
+                available: available_bytes(Some(fd.as_fd())),
+                place: place.to_owned(),
+            })
+        }
+        Err(e) => Err(Error::io(format!("fallocate of {len} bytes of shared memory"), e)),
+    }
+}

@@ -1,0 +1,55 @@
+//! Named segments (file_system strategy): files `tensorshare_<pid>_<random>` in the
+//! shared-memory directory, created exclusively with mode 0600.
+
+use std::os::fd::OwnedFd;
+
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+
+use super::shm_dir;
+use crate::{Error, Result};
+
+/// Every named segment's file name starts with this, then the creating pid and `_`.
+pub const NAME_PREFIX: &str = "tensorshare_";
+
+/// Whether `name` can be a segment name: our prefix, then letters, digits and `_` only.
+/// Names come from messages, so this keeps a message from opening any other file.
+pub fn is_valid_name(name: &str) -> bool {
+    name.len() < 200
+        && name.starts_with(NAME_PREFIX)
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+pub(super) fn create_exclusive() -> Result<(OwnedFd, String)> {
+    let pid = rustix::process::getpid().as_raw_nonzero();
+    for _ in 0..16 {
+        let mut rnd = [0u8; 8];
+        crate::util::random_bytes(&mut rnd);
+        let name = format!("{NAME_PREFIX}{pid}_{:016x}", u64::from_le_bytes(rnd));
+        let path = shm_dir().join(&name);
+        match rustix::fs::open(
+            &path,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::RUSR | Mode::WUSR,
+        ) {
+            Ok(fd) => return Ok((fd, name)),
+            Err(Errno::EXIST) => continue,
+            Err(e) => return Err(Error::io(format!("creating {}", path.display()), e)),
+        }
+    }
+    Err(Error::io("creating a named segment", std::io::Error::other("no free name after 16 tries")))
+}
+
+pub(super) fn open_existing(name: &str) -> Result<OwnedFd> {
+    if !is_valid_name(name) {
+        return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
+    }
+    let path = shm_dir().join(name);
+    rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty())
+        .map_err(|e| Error::io(format!("opening shared-memory segment {}", path.display()), e))
+}
+
+/// Removes a named segment's file; the memory lives on while anyone maps it.
+pub fn unlink(name: &str) {
+    let _ = rustix::fs::unlink(shm_dir().join(name));
+}

@@ -1,0 +1,250 @@
+//! [`Storage`]: the reference-counted bytes under tensors, private (heap) or shared (a
+//! block of an arena in shared memory).
+
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
+
+use crate::arena::{self, Block};
+use crate::{get_sharing_strategy, Result, SharingStrategy};
+
+/// Alignment of every storage's first byte.
+pub const ALIGN: usize = 64;
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Chunk([u8; ALIGN]);
+
+/// Heap bytes, 64-byte aligned, zeroed at creation.
+struct PrivateBuf {
+    ptr: NonNull<u8>,
+    chunks: usize,
+}
+
+impl PrivateBuf {
+    fn zeroed(len: usize) -> PrivateBuf {
+        let chunks = len.div_ceil(ALIGN);
+        let mut v = std::mem::ManuallyDrop::new(vec![Chunk([0; ALIGN]); chunks]);
+        // A Vec of zero chunks has a dangling, well-aligned pointer: fine for len 0.
+        let ptr = NonNull::new(v.as_mut_ptr().cast::<u8>()).unwrap_or(NonNull::dangling());
+        PrivateBuf { ptr, chunks }
+    }
+}
+
+impl Drop for PrivateBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr and chunks come from the Vec made in `zeroed`, whose capacity equals
+        // its length (vec! allocates exactly), and which nobody else frees.
+        unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr().cast::<Chunk>(), self.chunks, self.chunks)) };
+    }
+}
+
+/// Where shared bytes live.
+#[derive(Debug)]
+pub(crate) enum Shared {
+    /// A zero-byte shared storage: nothing to map, valid under both strategies.
+    Empty(SharingStrategy),
+    /// A block of an arena.
+    Block(Block),
+}
+
+pub(crate) struct Inner {
+    len: usize,
+    /// Present for storages born private. Kept after `share_memory` when other handles
+    /// might still be reading it, and freed with the storage.
+    private: Option<PrivateBuf>,
+    shared: OnceLock<Shared>,
+}
+
+// SAFETY: the raw pointers in `PrivateBuf` and the arena mapping are plain memory owned by
+// this storage, not tied to any thread.
+unsafe impl Send for Inner {}
+// SAFETY: as above. Concurrent access to the bytes is governed as documented on `Storage`.
+unsafe impl Sync for Inner {}
+
+/// Reference-counted bytes, private to this process or shared with others.
+///
+/// Clones are handles to the same bytes. A shared storage is one block of a shared-memory
+/// arena; every process that received it maps the same pages, and writes through any
+/// handle, in any process, are seen through all of them.
+///
+/// # Aliasing
+/// Like torch, tensorshare lets many handles (clones, views, other processes) reach the
+/// same bytes. Reads and writes from several threads or processes at once must be ordered
+/// by the program (a message on a queue orders everything before `put` before everything
+/// after the matching `get`), or go through the atomic view ([`crate::AtomicView`]).
+#[derive(Clone)]
+pub struct Storage {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Storage")
+            .field("len", &self.inner.len)
+            .field("shared", &self.inner.shared.get())
+            .finish()
+    }
+}
+
+impl Storage {
+    /// A private, zeroed storage of `len` bytes.
+    pub fn new(len: usize) -> Storage {
+        Storage {
+            inner: Arc::new(Inner { len, private: Some(PrivateBuf::zeroed(len)), shared: OnceLock::new() }),
+        }
+    }
+
+    /// A shared storage of `len` bytes under the current strategy, zeroed.
+    pub fn new_shared(len: usize) -> Result<Storage> {
+        let s = Storage::empty_shared_with(len, get_sharing_strategy())?;
+        // SAFETY: fresh storage, no other handle exists; `len` bytes are in bounds.
+        unsafe { std::ptr::write_bytes(s.as_ptr(), 0, len) };
+        Ok(s)
+    }
+
+    /// A shared storage of `len` bytes under `strategy`, with unspecified contents (zero,
+    /// or what an earlier storage left in a reused block).
+    pub fn empty_shared_with(len: usize, strategy: SharingStrategy) -> Result<Storage> {
+        Ok(Storage::from_shared(len, alloc_shared(len, strategy)?))
+    }
+
+    pub(crate) fn from_shared(len: usize, shared: Shared) -> Storage {
+        let cell = OnceLock::new();
+        let _ = cell.set(shared);
+        Storage { inner: Arc::new(Inner { len, private: None, shared: cell }) }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the storage has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Whether the bytes live in shared memory.
+    pub fn is_shared(&self) -> bool {
+        self.inner.shared.get().is_some()
+    }
+
+    /// The strategy of a shared storage.
+    pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
+        match self.inner.shared.get()? {
+            Shared::Empty(s) => Some(*s),
+            Shared::Block(b) => Some(if b.arena().segment().name().is_some() {
+                SharingStrategy::FileSystem
+            } else {
+                SharingStrategy::FileDescriptor
+            }),
+        }
+    }
+
+    /// Moves the bytes into shared memory (one copy), for every handle of this storage.
+    /// Does nothing if the storage is already shared.
+    pub fn share_memory(&self) -> Result<()> {
+        self.share_memory_with(get_sharing_strategy())
+    }
+
+    /// [`Storage::share_memory`] with an explicit strategy.
+    pub fn share_memory_with(&self, strategy: SharingStrategy) -> Result<()> {
+        if self.is_shared() {
+            return Ok(());
+        }
+        let shared = alloc_shared(self.len(), strategy)?;
+        if let Shared::Block(b) = &shared {
+            // SAFETY: the private buffer has len bytes; the block has at least len bytes and
+            // is fresh memory no handle points to yet.
+            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), b.ptr(), self.len()) };
+        }
+        // Another thread may have shared it meanwhile; then ours is dropped and freed.
+        let _ = self.inner.shared.set(shared);
+        Ok(())
+    }
+
+    /// The address of the first byte. Stable for a shared storage; for a private one it
+    /// changes once, when the storage is moved into shared memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        match self.inner.shared.get() {
+            Some(Shared::Block(b)) => b.ptr(),
+            Some(Shared::Empty(_)) => NonNull::<Chunk>::dangling().as_ptr().cast(),
+            None => match &self.inner.private {
+                Some(p) => p.ptr.as_ptr(),
+                None => NonNull::<Chunk>::dangling().as_ptr().cast(),
+            },
+        }
+    }
+
+    /// The address of the first byte, as a number: equal for two handles exactly when they
+    /// see the same memory (torch's `data_ptr`).
+    pub fn data_ptr(&self) -> usize {
+        self.as_ptr() as usize
+    }
+
+    /// Whether two handles are the same storage.
+    pub fn ptr_eq(&self, other: &Storage) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// A copy of the bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // SAFETY: as_ptr points to len initialised bytes that live as long as self.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }.to_vec()
+    }
+
+    /// The file name of the named segment holding a file_system storage.
+    pub fn segment_name(&self) -> Option<String> {
+        match self.inner.shared.get()? {
+            Shared::Block(b) => b.arena().segment().name().map(str::to_owned),
+            Shared::Empty(_) => None,
+        }
+    }
+
+    pub(crate) fn shared(&self) -> Option<&Shared> {
+        self.inner.shared.get()
+    }
+}
+
+fn alloc_shared(len: usize, strategy: SharingStrategy) -> Result<Shared> {
+    if len == 0 {
+        return Ok(Shared::Empty(strategy));
+    }
+    Ok(Shared::Block(arena::allocate(len, strategy)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_storage_is_zeroed_and_aligned() {
+        let s = Storage::new(100);
+        assert_eq!(s.as_ptr() as usize % ALIGN, 0);
+        assert!(s.to_bytes().iter().all(|b| *b == 0));
+        assert!(!s.is_shared());
+    }
+
+    #[test]
+    fn share_memory_keeps_bytes_and_is_seen_by_every_handle() {
+        let s = Storage::new(10);
+        // SAFETY: 10 bytes, one handle.
+        unsafe { std::ptr::copy_nonoverlapping([1u8, 2, 3].as_ptr(), s.as_ptr(), 3) };
+        let other = s.clone();
+        s.share_memory().unwrap();
+        assert!(other.is_shared());
+        assert_eq!(&other.to_bytes()[..4], &[1, 2, 3, 0]);
+        assert_eq!(other.data_ptr(), s.data_ptr());
+        assert_eq!(s.as_ptr() as usize % ALIGN, 0);
+    }
+
+    #[test]
+    fn empty_storage_is_valid_under_both_strategies() {
+        for st in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+            let s = Storage::empty_shared_with(0, st).unwrap();
+            assert!(s.is_shared());
+            assert_eq!(s.sharing_strategy(), Some(st));
+            assert!(s.to_bytes().is_empty());
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! Small helpers shared by several modules.
+
+/// Fills `buf` with random bytes from the kernel. Falls back to a mix of time and pid,
+/// which is enough for the uses here (unique names, not secrets).
+pub(crate) fn random_bytes(buf: &mut [u8]) {
+    if rustix::rand::getrandom(&mut *buf, rustix::rand::GetRandomFlags::empty()).map(|n| n == buf.len())
+        == Ok(true)
+    {
+        return;
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut x = t ^ (u64::from(rustix::process::getpid().as_raw_nonzero().get() as u32) << 32);
+    for b in buf {
+        // xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+/// `a * b` for shape arithmetic, as an error instead of an overflow.
+pub(crate) fn checked_mul(a: usize, b: usize, what: &str) -> crate::Result<usize> {
+    a.checked_mul(b).ok_or_else(|| crate::Error::shape(format!("{what} overflows usize")))
+}
