@@ -33,6 +33,8 @@ const LARGE_RETAIN: usize = 1 << 30;
 /// An arena mapped in this process, with its geometry copied out of the header once (the
 /// header lives in memory other processes can write; bounds never depend on it later).
 pub(crate) struct Arena {
+    /// Whether the receive cache knows this arena (set on its first send).
+    pub(crate) cached: std::sync::atomic::AtomicBool,
     seg: Segment,
     slot_size: usize,
     nslots: u32,
@@ -70,7 +72,7 @@ impl Arena {
             p.add(8).cast::<u64>().write(slot_size as u64);
             p.add(16).cast::<u32>().write(nslots as u32);
         }
-        Ok(Arena { seg, slot_size, nslots: nslots as u32, data_offset: off })
+        Ok(Arena { cached: Default::default(), seg, slot_size, nslots: nslots as u32, data_offset: off })
     }
 
     /// Checks and adopts a segment received from another process as an arena.
@@ -105,7 +107,7 @@ impl Arena {
                 )))
             }
         }
-        Ok(Arena { seg, slot_size, nslots, data_offset: off })
+        Ok(Arena { cached: Default::default(), seg, slot_size, nslots, data_offset: off })
     }
 
     pub(crate) fn segment(&self) -> &Segment {
@@ -190,8 +192,17 @@ impl Block {
         self.arena.slot_ptr(self.slot)
     }
 
+    #[cfg(test)]
     pub(crate) fn capacity(&self) -> usize {
         self.arena.slot_size
+    }
+
+    /// Gives up this claim without releasing it: the caller now owns one holder count of
+    /// the slot (a message in flight takes it over).
+    pub(crate) fn into_raw(self) -> (Arc<Arena>, u32) {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so the Arc is moved out exactly once.
+        (unsafe { std::ptr::read(&this.arena) }, this.slot)
     }
 }
 

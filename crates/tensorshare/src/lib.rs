@@ -28,6 +28,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod arena;
+pub mod channel;
 mod dtype;
 mod error;
 mod nested;
@@ -38,8 +39,10 @@ mod strategy;
 mod tensor;
 mod thread;
 mod util;
+pub mod wire;
 
 pub use arena::trim as trim_arenas;
+pub use channel::{pipe, Connection, Queue, SimpleQueue};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use nested::NestedTensor;

@@ -53,6 +53,8 @@ pub(crate) struct Inner {
     /// might still be reading it, and freed with the storage.
     private: Option<PrivateBuf>,
     shared: OnceLock<Shared>,
+    /// Whether the receive cache knows this storage (set on its first send).
+    pub(crate) cached: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the raw pointers in `PrivateBuf` and the arena mapping are plain memory owned by
@@ -90,7 +92,12 @@ impl Storage {
     /// A private, zeroed storage of `len` bytes.
     pub fn new(len: usize) -> Storage {
         Storage {
-            inner: Arc::new(Inner { len, private: Some(PrivateBuf::zeroed(len)), shared: OnceLock::new() }),
+            inner: Arc::new(Inner {
+                len,
+                private: Some(PrivateBuf::zeroed(len)),
+                shared: OnceLock::new(),
+                cached: Default::default(),
+            }),
         }
     }
 
@@ -111,7 +118,7 @@ impl Storage {
     pub(crate) fn from_shared(len: usize, shared: Shared) -> Storage {
         let cell = OnceLock::new();
         let _ = cell.set(shared);
-        Storage { inner: Arc::new(Inner { len, private: None, shared: cell }) }
+        Storage { inner: Arc::new(Inner { len, private: None, shared: cell, cached: Default::default() }) }
     }
 
     /// Length in bytes.
@@ -203,6 +210,10 @@ impl Storage {
 
     pub(crate) fn shared(&self) -> Option<&Shared> {
         self.inner.shared.get()
+    }
+
+    pub(crate) fn from_inner(inner: Arc<Inner>) -> Storage {
+        Storage { inner }
     }
 }
 

@@ -1,0 +1,10 @@
+//! Channels between processes: [`Queue`], [`SimpleQueue`], [`pipe`] / [`Connection`], over
+//! AF_UNIX SOCK_SEQPACKET sockets with descriptors passed alongside (SCM_RIGHTS).
+
+mod control;
+mod pipe;
+mod queue;
+pub(crate) mod socket;
+
+pub use pipe::{pipe, Connection};
+pub use queue::{Queue, SimpleQueue};

@@ -1,0 +1,97 @@
+//! [`pipe`] and [`Connection`]: a two-ended, duplex channel between two processes.
+
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::event::PollFlags;
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::socket::{self, Deadline};
+use crate::wire::{self, FdSource};
+use crate::{Error, Result};
+
+/// One end of a [`pipe`]. What one end sends, the other receives. When every copy of the
+/// other end is closed (its process exited or was killed), `recv` gives `Disconnected`.
+pub struct Connection<T> {
+    fd: Arc<OwnedFd>,
+    _t: PhantomData<fn(T) -> T>,
+}
+
+/// A connected pair of ends (torch's `Pipe(duplex=True)`).
+pub fn pipe<T: Serialize + DeserializeOwned>() -> Result<(Connection<T>, Connection<T>)> {
+    let (a, b) = socket::pair()?;
+    Ok((Connection { fd: Arc::new(a), _t: PhantomData }, Connection { fd: Arc::new(b), _t: PhantomData }))
+}
+
+fn never_alive() -> bool {
+    // Waiting on a connection needs no liveness check: the peer's exit closes its end, and
+    // the socket reports that by itself.
+    true
+}
+
+impl<T: Serialize + DeserializeOwned> Connection<T> {
+    /// Sends a value to the other end.
+    pub fn send(&self, value: &T) -> Result<()> {
+        let msg = wire::encode(value)?;
+        socket::send(self.fd.as_fd(), msg, Deadline::after(None), &never_alive)
+    }
+
+    /// Receives a value, waiting as long as it takes.
+    pub fn recv(&self) -> Result<T> {
+        self.recv_deadline(Deadline::after(None))
+    }
+
+    /// Receives a value, waiting at most `timeout`.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<T> {
+        self.recv_deadline(Deadline::after(Some(timeout)))
+    }
+
+    fn recv_deadline(&self, deadline: Deadline) -> Result<T> {
+        let r = socket::recv(self.fd.as_fd(), deadline, &never_alive)?;
+        wire::decode(&r.bytes, r.fds)
+    }
+
+    /// Whether a value (or the hang-up of the other end) is waiting, after waiting at most
+    /// `timeout` (torch's `poll`).
+    pub fn poll(&self, timeout: Duration) -> Result<bool> {
+        socket::wait(self.fd.as_fd(), PollFlags::IN, timeout)
+    }
+}
+
+impl<T> Clone for Connection<T> {
+    fn clone(&self) -> Self {
+        Connection { fd: self.fd.clone(), _t: PhantomData }
+    }
+}
+
+impl<T> std::fmt::Debug for Connection<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection").finish_non_exhaustive()
+    }
+}
+
+impl<T> Serialize for Connection<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        if !wire::encoding() {
+            return Err(S::Error::custom("a connection can only travel inside a tensorshare message"));
+        }
+        wire::encode_fd(FdSource::Fd(self.fd.clone())).map_err(S::Error::custom)?.serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Connection<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let i = u32::deserialize(d)?;
+        let fd = wire::decode_fd(i).map_err(D::Error::custom)?;
+        let st =
+            rustix::fs::fstat(&fd).map_err(|e| D::Error::custom(Error::io("fstat of a connection", e)))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+            return Err(D::Error::custom("a connection endpoint that is not a socket"));
+        }
+        Ok(Connection { fd: Arc::new(fd), _t: PhantomData })
+    }
+}

@@ -1,0 +1,250 @@
+//! [`Queue`] and [`SimpleQueue`]: many producers, many consumers, any processes.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::control::Control;
+use super::socket::{self, Deadline};
+use crate::wire::{self, FdSource};
+use crate::{Error, Result};
+
+/// The process-wide state of one queue: its two socket ends and its control block. Every
+/// handle of the queue in this process shares it, so the process holds each descriptor
+/// once (which POSIX locks need: closing any descriptor of the file drops them).
+pub(crate) struct Core {
+    /// Producers write here.
+    tx: Arc<OwnedFd>,
+    /// Consumers read here.
+    rx: Arc<OwnedFd>,
+    control: Control,
+}
+
+type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
+
+fn registry() -> &'static Registry {
+    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+impl Core {
+    fn create(capacity: Option<u32>) -> Result<Arc<Core>> {
+        let (tx, rx) = socket::pair()?;
+        let control = Control::create(capacity)?;
+        let id = control.id()?;
+        let core = Arc::new(Core { tx: Arc::new(tx), rx: Arc::new(rx), control });
+        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        reg.retain(|_, w| w.strong_count() > 0);
+        reg.insert(id, Arc::downgrade(&core));
+        Ok(core)
+    }
+
+    /// The queue received in a message: this process's existing core if it has one.
+    fn adopt(tx: OwnedFd, rx: OwnedFd, ctl: OwnedFd) -> Result<Arc<Core>> {
+        let st = rustix::fs::fstat(&ctl).map_err(|e| Error::io("fstat of a queue's memfd", e))?;
+        let id = (st.st_dev, st.st_ino);
+        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(core) = reg.get(&id).and_then(Weak::upgrade) {
+            drop((tx, rx, ctl));
+            // Closing the duplicate descriptor dropped this process's lock: take it again.
+            core.control.hold()?;
+            return Ok(core);
+        }
+        for fd in [&tx, &rx] {
+            let st = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat of a queue's socket", e))?;
+            if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+                return Err(Error::invalid("a queue endpoint that is not a socket"));
+            }
+        }
+        let core = Arc::new(Core { tx: Arc::new(tx), rx: Arc::new(rx), control: Control::open(ctl)? });
+        reg.insert(id, Arc::downgrade(&core));
+        Ok(core)
+    }
+
+    /// Whether anyone but the caller's handle could still put or get: another handle in
+    /// this process, or another process holding the queue.
+    fn others(self: &Arc<Core>) -> bool {
+        Arc::strong_count(self) > 1 || self.control.others_alive()
+    }
+
+    fn put<T: Serialize + ?Sized>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
+        let msg = wire::encode(value)?;
+        loop {
+            let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
+            if self.control.acquire(slice) {
+                break;
+            }
+            if !self.others() {
+                return Err(Error::Disconnected);
+            }
+        }
+        let this = self.clone();
+        // `alive` runs only while the socket is full: then another reader must exist.
+        let alive = move || this.control.others_alive() || Arc::strong_count(&this) > 2;
+        socket::send(self.tx.as_fd(), msg, deadline, &alive).inspect_err(|_| self.control.release())
+    }
+
+    fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
+        let this = self.clone();
+        let alive = move || this.control.others_alive() || Arc::strong_count(&this) > 2;
+        let record = socket::recv(self.rx.as_fd(), deadline, &alive)?;
+        self.control.release();
+        wire::decode(&record.bytes, record.fds)
+    }
+
+    fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
+        match socket::try_recv(self.rx.as_fd())? {
+            socket::Received::Record(r) => {
+                self.control.release();
+                wire::decode(&r.bytes, r.fds).map(Some)
+            }
+            socket::Received::Closed => Err(Error::Disconnected),
+            socket::Received::Empty if self.others() => Ok(None),
+            socket::Received::Empty => match socket::try_recv(self.rx.as_fd())? {
+                socket::Received::Record(r) => {
+                    self.control.release();
+                    wire::decode(&r.bytes, r.fds).map(Some)
+                }
+                _ => Err(Error::Disconnected),
+            },
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct CoreRepr {
+    tx: u32,
+    rx: u32,
+    ctl: u32,
+}
+
+fn serialize_core<S: Serializer>(core: &Core, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if !wire::encoding() {
+        return Err(S::Error::custom("a queue can only travel inside a tensorshare message"));
+    }
+    let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(S::Error::custom);
+    CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl: fd(core.control.fd())? }.serialize(s)
+}
+
+fn deserialize_core<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Arc<Core>, D::Error> {
+    let r = CoreRepr::deserialize(d)?;
+    let fd = |i| wire::decode_fd(i).map_err(D::Error::custom);
+    Core::adopt(fd(r.tx)?, fd(r.rx)?, fd(r.ctl)?).map_err(D::Error::custom)
+}
+
+macro_rules! queue_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        pub struct $name<T> {
+            core: Arc<Core>,
+            _t: PhantomData<fn(T) -> T>,
+        }
+
+        impl<T> Clone for $name<T> {
+            fn clone(&self) -> Self {
+                $name { core: self.core.clone(), _t: PhantomData }
+            }
+        }
+
+        impl<T> std::fmt::Debug for $name<T> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name)).finish_non_exhaustive()
+            }
+        }
+
+        impl<T> Serialize for $name<T> {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                serialize_core(&self.core, s)
+            }
+        }
+
+        impl<'de, T> Deserialize<'de> for $name<T> {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                Ok($name { core: deserialize_core(d)?, _t: PhantomData })
+            }
+        }
+
+        impl<T: Serialize + DeserializeOwned> $name<T> {
+            /// Takes the next value, waiting as long as it takes. `Disconnected` once the
+            /// queue is empty and no other handle, here or in another process, is left to
+            /// put.
+            pub fn get(&self) -> Result<T> {
+                self.core.get(Deadline::after(None))
+            }
+
+            /// Takes the next value, waiting at most `timeout`: `Error::Timeout` after it.
+            pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
+                self.core.get(Deadline::after(Some(timeout)))
+            }
+
+            /// Takes the next value if one is waiting: `Ok(None)` if none is.
+            pub fn try_get(&self) -> Result<Option<T>> {
+                self.core.try_get()
+            }
+        }
+    };
+}
+
+queue_type!(
+    /// A multi-producer, multi-consumer queue between processes, optionally bounded.
+    ///
+    /// Clone it, send it inside a message, or pass it to workers: every copy, in every
+    /// process, is the same queue. Values travel as messages (see [`crate::wire`]): tensors
+    /// as handles to shared memory, never copied on the way.
+    Queue
+);
+
+queue_type!(
+    /// An unbounded queue between processes (torch's `SimpleQueue`): `put` never waits for
+    /// room in the queue, only for room in the socket.
+    SimpleQueue
+);
+
+impl<T: Serialize + DeserializeOwned> Queue<T> {
+    /// An unbounded queue.
+    pub fn new() -> Result<Queue<T>> {
+        Ok(Queue { core: Core::create(None)?, _t: PhantomData })
+    }
+
+    /// A queue of at most `capacity` values: `put` waits while it is full.
+    pub fn with_capacity(capacity: usize) -> Result<Queue<T>> {
+        let cap = u32::try_from(capacity).ok().filter(|&c| c > 0 && c < u32::MAX).ok_or_else(|| {
+            Error::shape(format!("a queue capacity must be in 1..{}, got {capacity}", u32::MAX))
+        })?;
+        Ok(Queue { core: Core::create(Some(cap))?, _t: PhantomData })
+    }
+
+    /// Puts a value, waiting while the queue is full. `Disconnected` if it is full and no
+    /// other handle is left to take from it.
+    pub fn put(&self, value: T) -> Result<()> {
+        self.core.put(&value, Deadline::after(None))
+    }
+
+    /// Puts a value, waiting at most `timeout` for room.
+    pub fn put_timeout(&self, value: T, timeout: Duration) -> Result<()> {
+        self.core.put(&value, Deadline::after(Some(timeout)))
+    }
+
+    /// Puts a value only if there is room now.
+    pub fn try_put(&self, value: T) -> Result<()> {
+        self.core.put(&value, Deadline::now())
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
+    /// A new queue.
+    pub fn new() -> Result<SimpleQueue<T>> {
+        Ok(SimpleQueue { core: Core::create(None)?, _t: PhantomData })
+    }
+
+    /// Puts a value.
+    pub fn put(&self, value: T) -> Result<()> {
+        self.core.put(&value, Deadline::after(None))
+    }
+}

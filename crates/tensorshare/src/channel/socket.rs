@@ -1,0 +1,209 @@
+//! Records over AF_UNIX SOCK_SEQPACKET sockets, with descriptors (SCM_RIGHTS).
+//!
+//! A SEQPACKET socket keeps record boundaries and delivers each record whole to one
+//! reader, so many writers and readers in many processes can share one socket without
+//! interleaving. Records above `MAX_INLINE` bytes move their payload into a memfd first.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags};
+use rustix::io::Errno;
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+};
+
+use crate::wire::{Encoded, MAX_FDS};
+use crate::{Error, Result};
+
+/// Largest record sent as is; a larger payload travels in a memfd.
+pub(crate) const MAX_INLINE: usize = 64 * 1024;
+/// How often a blocked call checks that its peers are still alive.
+const LIVENESS_SLICE: Duration = Duration::from_millis(50);
+
+/// A connected pair of non-blocking SEQPACKET sockets.
+pub(crate) fn pair() -> Result<(OwnedFd, OwnedFd)> {
+    let (a, b) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::io("socketpair(AF_UNIX, SOCK_SEQPACKET)", e))?;
+    Ok((a, b))
+}
+
+/// When a blocked call gives up: at a deadline, or never.
+#[derive(Clone, Copy)]
+pub(crate) struct Deadline(Option<Instant>);
+
+impl Deadline {
+    pub(crate) fn after(timeout: Option<Duration>) -> Deadline {
+        Deadline(timeout.map(|t| Instant::now() + t))
+    }
+
+    pub(crate) fn now() -> Deadline {
+        Deadline(Some(Instant::now()))
+    }
+
+    /// The next wait: until the deadline, at most one liveness slice. `None`: passed.
+    pub(crate) fn slice(&self) -> Option<Duration> {
+        match self.0 {
+            None => Some(LIVENESS_SLICE),
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                (!left.is_zero()).then(|| left.min(LIVENESS_SLICE))
+            }
+        }
+    }
+}
+
+/// Waits until `fd` is ready for `flags`, or the slice passes. Returns whether it is ready.
+pub(crate) fn wait(fd: BorrowedFd<'_>, flags: PollFlags, slice: Duration) -> Result<bool> {
+    let ts = rustix::event::Timespec { tv_sec: slice.as_secs() as i64, tv_nsec: slice.subsec_nanos() as i64 };
+    let mut fds = [PollFd::from_borrowed_fd(fd, flags)];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(n) => Ok(n > 0),
+        Err(Errno::INTR) => Ok(false),
+        Err(e) => Err(Error::io("poll", e)),
+    }
+}
+
+/// Sends `msg` as one record, waiting while the socket is full. `alive` says whether a
+/// reader can still exist; when it says no while the call waits, the result is
+/// `Disconnected`.
+pub(crate) fn send(
+    fd: BorrowedFd<'_>,
+    mut msg: Encoded,
+    deadline: Deadline,
+    alive: &dyn Fn() -> bool,
+) -> Result<()> {
+    if msg.len() > MAX_INLINE {
+        msg.spill()?;
+    }
+    loop {
+        match send_once(fd, &msg) {
+            Ok(()) => {
+                msg.mark_sent();
+                return Ok(());
+            }
+            Err(Errno::AGAIN) => {}
+            Err(Errno::MSGSIZE) if !msg.parts()[1].is_empty() => {
+                msg.spill()?;
+                continue;
+            }
+            Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
+                return Err(Error::Disconnected)
+            }
+            Err(e) => return Err(Error::io("sendmsg", e)),
+        }
+        let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
+        if !wait(fd, PollFlags::OUT, slice)? && !alive() {
+            return Err(Error::Disconnected);
+        }
+    }
+}
+
+fn send_once(fd: BorrowedFd<'_>, msg: &Encoded) -> rustix::io::Result<()> {
+    let [head, payload] = msg.parts();
+    let iov = [IoSlice::new(head), IoSlice::new(payload)];
+    let fds = msg.fds();
+    let mut space = vec![MaybeUninit::<u8>::uninit(); SendAncillaryMessage::ScmRights(&fds).size()];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(Errno::NOBUFS);
+    }
+    let n = rustix::net::sendmsg(fd, &iov, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?;
+    // A SEQPACKET record is sent whole or not at all.
+    debug_assert_eq!(n, head.len() + payload.len());
+    Ok(())
+}
+
+/// One received record.
+pub(crate) struct Record {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) fds: Vec<OwnedFd>,
+}
+
+/// What a receive attempt found.
+pub(crate) enum Received {
+    Record(Record),
+    /// Every writer's end is closed.
+    Closed,
+    /// Nothing yet.
+    Empty,
+}
+
+/// Takes one record if one is waiting (never blocks).
+pub(crate) fn try_recv(fd: BorrowedFd<'_>) -> Result<Received> {
+    thread_local! {
+        // Room for the largest inline record and a little more to detect anything larger,
+        // kept per thread so that a receive allocates only what it returns.
+        static BUF: std::cell::RefCell<(Vec<u8>, Vec<MaybeUninit<u8>>)> = std::cell::RefCell::new((
+            vec![0u8; MAX_INLINE + 1024],
+            vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))],
+        ));
+    }
+    BUF.with(|b| {
+        let mut b = b.borrow_mut();
+        let (bytes, space) = &mut *b;
+        try_recv_into(fd, bytes, space)
+    })
+}
+
+fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<u8>]) -> Result<Received> {
+    let mut control = RecvAncillaryBuffer::new(space);
+    let cap = bytes.len();
+    let mut iov = [IoSliceMut::new(bytes)];
+    let r =
+        match rustix::net::recvmsg(fd, &mut iov, &mut control, RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC)
+        {
+            Ok(r) => r,
+            Err(Errno::AGAIN) => return Ok(Received::Empty),
+            Err(Errno::CONNRESET) => return Ok(Received::Closed),
+            Err(e) => return Err(Error::io("recvmsg", e)),
+        };
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    if r.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(Error::InvalidMessage(format!(
+            "the message's descriptors were cut off ({} arrived): this process has reached its \
+             descriptor limit (RLIMIT_NOFILE); raise it or hold fewer shared segments",
+            fds.len()
+        )));
+    }
+    if r.flags.contains(ReturnFlags::TRUNC) {
+        return Err(Error::invalid(format!("a record larger than {cap} bytes")));
+    }
+    if r.bytes == 0 && fds.is_empty() {
+        return Ok(Received::Closed);
+    }
+    Ok(Received::Record(Record { bytes: bytes[..r.bytes].to_vec(), fds }))
+}
+
+/// Waits for a record until the deadline. `alive` says whether a writer can still exist;
+/// when it says no while nothing is waiting, the result is `Disconnected`.
+pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> bool) -> Result<Record> {
+    loop {
+        match try_recv(fd)? {
+            Received::Record(r) => return Ok(r),
+            Received::Closed => return Err(Error::Disconnected),
+            Received::Empty => {}
+        }
+        let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
+        if !wait(fd, PollFlags::IN, slice)? && !alive() {
+            // A record may have arrived just before the last writer went away.
+            return match try_recv(fd)? {
+                Received::Record(r) => Ok(r),
+                _ => Err(Error::Disconnected),
+            };
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The receive cache (torch's SharedCache): segment identity → this process's mapping, and
+//! (segment, slot) → this process's storage, both held weakly, so that memory received
+//! twice, or coming back to the process that made it, is one mapping and one storage.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::arena::Arena;
+use crate::shm::SegmentId;
+use crate::storage::Inner;
+
+/// Entries before the first sweep of dead ones; afterwards twice the live count (torch's
+/// policy: amortised O(1), and the map never holds many more dead entries than live ones).
+const FIRST_LIMIT: usize = 128;
+/// Arenas kept mapped after their last storage here is gone, so that a process that keeps
+/// receiving from one arena does not map and unmap it for every message.
+const KEEP_MAPPED: usize = 16;
+
+struct WeakMap<K, V> {
+    map: HashMap<K, Weak<V>>,
+    limit: usize,
+}
+
+impl<K: Eq + Hash, V> WeakMap<K, V> {
+    fn new() -> Self {
+        WeakMap { map: HashMap::new(), limit: FIRST_LIMIT }
+    }
+
+    fn get(&self, k: &K) -> Option<Arc<V>> {
+        self.map.get(k).and_then(Weak::upgrade)
+    }
+
+    fn insert(&mut self, k: K, v: &Arc<V>) {
+        self.map.insert(k, Arc::downgrade(v));
+        if self.map.len() > self.limit {
+            self.map.retain(|_, w| w.strong_count() > 0);
+            self.limit = (self.map.len() * 2).max(FIRST_LIMIT);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+pub(crate) struct Cache {
+    arenas: WeakMap<SegmentId, Arena>,
+    storages: WeakMap<(SegmentId, u32), Inner>,
+    recent: VecDeque<Arc<Arena>>,
+}
+
+impl Cache {
+    pub(crate) fn arena(&mut self, id: &SegmentId) -> Option<Arc<Arena>> {
+        let a = self.arenas.get(id)?;
+        self.touch(&a);
+        Some(a)
+    }
+
+    pub(crate) fn insert_arena(&mut self, arena: &Arc<Arena>) {
+        self.arenas.insert(arena.segment().id().clone(), arena);
+        arena.cached.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.touch(arena);
+    }
+
+    fn touch(&mut self, arena: &Arc<Arena>) {
+        if self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
+            return;
+        }
+        if self.recent.len() == KEEP_MAPPED {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(arena.clone());
+    }
+
+    pub(crate) fn storage(&self, id: &SegmentId, slot: u32) -> Option<Arc<Inner>> {
+        self.storages.get(&(id.clone(), slot))
+    }
+
+    pub(crate) fn insert_storage(&mut self, id: &SegmentId, slot: u32, inner: &Arc<Inner>) {
+        self.storages.insert((id.clone(), slot), inner);
+        inner.cached.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Forgets the arenas kept mapped only for speed (tests and `trim`).
+    pub(crate) fn clear_recent(&mut self) {
+        self.recent.clear();
+    }
+}
+
+/// The process's cache.
+pub(crate) fn cache() -> MutexGuard<'static, Cache> {
+    static CACHE: std::sync::OnceLock<Mutex<Cache>> = std::sync::OnceLock::new();
+    CACHE
+        .get_or_init(|| {
+            Mutex::new(Cache { arenas: WeakMap::new(), storages: WeakMap::new(), recent: VecDeque::new() })
+        })
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// Sizes of the receive cache: (arena entries, storage entries), live or not yet swept.
+pub fn cache_entries() -> (usize, usize) {
+    let c = cache();
+    (c.arenas.len(), c.storages.len())
+}
+
+/// Unmaps arenas that are kept mapped only for speed, so that their memory can be returned.
+pub fn release_cached_mappings() {
+    cache().clear_recent();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weak_map_sweeps_dead_entries_past_its_limit() {
+        let mut m: WeakMap<u32, u32> = WeakMap::new();
+        let live: Vec<Arc<u32>> = (0..10).map(Arc::new).collect();
+        for (i, v) in live.iter().enumerate() {
+            m.insert(i as u32, v);
+        }
+        for i in 10..200 {
+            m.insert(i, &Arc::new(i)); // dropped at once: a dead entry
+        }
+        assert!(m.len() < 200, "dead entries were swept");
+        assert!(m.limit >= FIRST_LIMIT);
+        for (i, v) in live.iter().enumerate() {
+            assert!(Arc::ptr_eq(&m.get(&(i as u32)).unwrap(), v));
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! How tensors, storages, sparse and nested tensors serialize: inside a message as handles
+//! into the message's storage table, anywhere else by value.
+
+use serde::de::Error as _;
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::bytes::{ByteBuf, Bytes};
+use crate::tensor::contiguous_strides;
+use crate::{DType, Device, NestedTensor, SparseLayout, SparseTensor, Storage, Tensor, TensorKind};
+
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    dtype: DType,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    requires_grad: bool,
+    kind: TensorKind,
+    device: Device,
+}
+
+#[derive(Serialize)]
+enum TensorOut<'a> {
+    /// In a message: index of the storage in the message's table.
+    Handle { storage: u32, meta: Meta },
+    /// Anywhere else: the elements, row-major.
+    Value { data: Bytes<'a>, meta: Meta },
+    /// No data (meta device).
+    NoData { meta: Meta },
+}
+
+#[derive(Deserialize)]
+enum TensorIn {
+    Handle { storage: u32, meta: Meta },
+    Value { data: ByteBuf, meta: Meta },
+    NoData { meta: Meta },
+}
+
+impl Serialize for Tensor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let meta = |strides: Vec<usize>, offset| Meta {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            strides,
+            offset,
+            requires_grad: self.requires_grad,
+            kind: self.kind,
+            device: self.device,
+        };
+        match self.device {
+            Device::Meta => TensorOut::NoData { meta: meta(self.strides.clone(), 0) }.serialize(s),
+            Device::Cuda(i) => Err(S::Error::custom(format!(
+                "cannot send a tensor on cuda:{i}: this build has no CUDA support"
+            ))),
+            Device::Cpu if super::encoding() => {
+                let storage = super::encode_storage(&self.storage).map_err(S::Error::custom)?;
+                TensorOut::Handle { storage, meta: meta(self.strides.clone(), self.offset) }.serialize(s)
+            }
+            Device::Cpu => {
+                let data = self.to_bytes().map_err(S::Error::custom)?;
+                TensorOut::Value { data: Bytes(&data), meta: meta(contiguous_strides(&self.shape), 0) }
+                    .serialize(s)
+            }
+        }
+    }
+}
+
+fn build(storage: Storage, m: Meta) -> crate::Result<Tensor> {
+    if m.requires_grad && !m.dtype.is_float() {
+        return Err(crate::Error::invalid(format!("a {} tensor cannot require gradients", m.dtype)));
+    }
+    let mut t = Tensor::from_storage(storage, m.dtype, &m.shape, &m.strides, m.offset)
+        .map_err(|e| crate::Error::invalid(format!("tensor handle: {e}")))?;
+    t.requires_grad = m.requires_grad;
+    t.kind = m.kind;
+    Ok(t)
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tensor, D::Error> {
+        let t = match TensorIn::deserialize(d)? {
+            TensorIn::Handle { storage, meta } => {
+                if meta.device != Device::Cpu {
+                    return Err(D::Error::custom("a storage handle for a tensor not on the cpu"));
+                }
+                super::decode_storage(storage).and_then(|st| build(st, meta))
+            }
+            TensorIn::Value { data, meta } => {
+                let storage = Storage::new(data.0.len());
+                // SAFETY: the fresh private storage has exactly data.len() bytes.
+                unsafe { std::ptr::copy_nonoverlapping(data.0.as_ptr(), storage.as_ptr(), data.0.len()) };
+                let n = crate::tensor::checked_numel(&meta.shape).map_err(D::Error::custom)?;
+                if n.checked_mul(meta.dtype.size()) != Some(data.0.len()) {
+                    return Err(D::Error::custom(format!(
+                        "a {} tensor of shape {:?} with {} bytes of data",
+                        meta.dtype,
+                        meta.shape,
+                        data.0.len()
+                    )));
+                }
+                let meta = Meta { strides: contiguous_strides(&meta.shape), offset: 0, ..meta };
+                build(storage, meta)
+            }
+            TensorIn::NoData { meta } => {
+                if meta.device != Device::Meta {
+                    return Err(D::Error::custom("a cpu tensor without data"));
+                }
+                let mut t = Tensor::meta(&meta.shape, meta.dtype);
+                t.requires_grad = meta.requires_grad && meta.dtype.is_float();
+                t.kind = meta.kind;
+                Ok(t)
+            }
+        };
+        t.map_err(D::Error::custom)
+    }
+}
+
+#[derive(Serialize)]
+enum StorageOut<'a> {
+    Handle(u32),
+    Value(Bytes<'a>),
+}
+
+#[derive(Deserialize)]
+enum StorageIn {
+    Handle(u32),
+    Value(ByteBuf),
+}
+
+impl Serialize for Storage {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if super::encoding() {
+            StorageOut::Handle(super::encode_storage(self).map_err(S::Error::custom)?).serialize(s)
+        } else {
+            StorageOut::Value(Bytes(&self.to_bytes())).serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Storage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Storage, D::Error> {
+        match StorageIn::deserialize(d)? {
+            StorageIn::Handle(i) => super::decode_storage(i).map_err(D::Error::custom),
+            StorageIn::Value(b) => {
+                let s = Storage::new(b.0.len());
+                // SAFETY: the fresh private storage has exactly b.len() bytes.
+                unsafe { std::ptr::copy_nonoverlapping(b.0.as_ptr(), s.as_ptr(), b.0.len()) };
+                Ok(s)
+            }
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct SparseRepr {
+    layout: SparseLayout,
+    size: Vec<usize>,
+    indices: Vec<Tensor>,
+    values: Tensor,
+}
+
+impl Serialize for SparseTensor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        SparseRepr {
+            layout: self.layout,
+            size: self.size.clone(),
+            indices: self.indices.clone(),
+            values: self.values.clone(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for SparseTensor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<SparseTensor, D::Error> {
+        let r = SparseRepr::deserialize(d)?;
+        SparseTensor::from_parts(r.layout, r.indices, r.values, &r.size).map_err(D::Error::custom)
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct NestedRepr {
+    buffer: Tensor,
+    sizes: Vec<Vec<usize>>,
+    offsets: Vec<usize>,
+}
+
+impl Serialize for NestedTensor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        NestedRepr { buffer: self.buffer.clone(), sizes: self.sizes.clone(), offsets: self.offsets.clone() }
+            .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for NestedTensor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<NestedTensor, D::Error> {
+        let r = NestedRepr::deserialize(d)?;
+        NestedTensor::from_parts(r.buffer, r.sizes, r.offsets).map_err(D::Error::custom)
+    }
+}
