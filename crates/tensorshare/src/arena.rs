@@ -249,6 +249,13 @@ fn pool(strategy: SharingStrategy) -> &'static Mutex<Pool> {
     }
 }
 
+/// Holds every pool lock (see `process::atfork`).
+pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
+    for s in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        out.push(Box::new(pool(s).lock().unwrap_or_else(|p| p.into_inner())));
+    }
+}
+
 /// The process whose named arenas the pool holds (a forked child inherits the pool but
 /// must not remove its parent's files).
 static OWNER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);

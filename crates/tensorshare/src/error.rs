@@ -60,6 +60,9 @@ pub enum Error {
     /// Serialization of a value failed.
     #[error("serialization failed: {0}")]
     Serialize(String),
+    /// A worker process failed.
+    #[error(transparent)]
+    Process(#[from] crate::process::ProcessError),
     /// A system call failed.
     #[error("{context}: {source}")]
     Io {

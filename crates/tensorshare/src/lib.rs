@@ -32,6 +32,7 @@ pub mod channel;
 mod dtype;
 mod error;
 mod nested;
+pub mod process;
 pub mod shm;
 mod sparse;
 mod storage;
@@ -46,6 +47,9 @@ pub use channel::{pipe, Connection, Queue, SimpleQueue};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use nested::NestedTensor;
+pub use process::{
+    init, spawn, start_processes, Captured, Failure, Job, ProcessContext, ProcessError, StartMethod,
+};
 pub use sparse::{SparseLayout, SparseTensor};
 pub use storage::Storage;
 pub use strategy::{

@@ -8,3 +8,8 @@ pub(crate) mod socket;
 
 pub use pipe::{pipe, Connection};
 pub use queue::{Queue, SimpleQueue};
+
+/// Holds the queue registry's lock (see `process::atfork`).
+pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
+    queue::fork_guards(out);
+}

@@ -33,6 +33,10 @@ fn registry() -> &'static Registry {
     R.get_or_init(Default::default)
 }
 
+pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
+    out.push(Box::new(registry().lock().unwrap_or_else(|p| p.into_inner())));
+}
+
 impl Core {
     fn create(capacity: Option<u32>) -> Result<Arc<Core>> {
         let (tx, rx) = socket::pair()?;

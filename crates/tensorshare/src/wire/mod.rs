@@ -30,6 +30,11 @@ use crate::{Error, Result, SharingStrategy, Storage};
 
 pub use cache::{cache_entries, release_cached_mappings};
 
+/// Holds the receive cache's lock (see `process::atfork`).
+pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
+    out.push(Box::new(cache::cache()));
+}
+
 /// Most descriptors one message may carry (the kernel's SCM_MAX_FD).
 pub const MAX_FDS: usize = 253;
 

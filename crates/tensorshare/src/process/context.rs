@@ -1,0 +1,196 @@
+//! [`ProcessContext`]: the parent's handle on the workers it started.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags};
+use rustix::process::{Pid, Signal, WaitId, WaitIdOptions};
+
+use super::error::{signal_name, Failure, ProcessError};
+use super::worker::Report;
+use crate::channel::socket::{self, Received};
+use crate::wire;
+
+/// How long workers get between SIGTERM and SIGKILL after another one failed (torch's
+/// default).
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(30);
+
+pub(crate) struct Child {
+    pub(crate) rank: usize,
+    pub(crate) pid: Pid,
+    pub(crate) pidfd: OwnedFd,
+    /// The job socket, where the worker's report arrives.
+    pub(crate) job: OwnedFd,
+    /// Set once reaped: None for success.
+    pub(crate) outcome: Option<Option<ProcessError>>,
+}
+
+/// The workers started by [`spawn`](crate::spawn) or
+/// [`start_processes`](crate::start_processes). Dropping it kills and reaps any worker
+/// still running, so no process is left behind.
+pub struct ProcessContext {
+    pub(crate) children: Vec<Child>,
+    grace: Duration,
+    failure: Option<ProcessError>,
+}
+
+impl std::fmt::Debug for ProcessContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessContext").field("pids", &self.pids()).finish()
+    }
+}
+
+impl ProcessContext {
+    pub(crate) fn new(children: Vec<Child>) -> ProcessContext {
+        ProcessContext { children, grace: DEFAULT_GRACE, failure: None }
+    }
+
+    /// The workers' process ids, by rank.
+    pub fn pids(&self) -> Vec<i32> {
+        self.children.iter().map(|c| c.pid.as_raw_nonzero().get()).collect()
+    }
+
+    /// Sets the time workers get between SIGTERM and SIGKILL once another worker failed.
+    pub fn set_grace_period(&mut self, grace: Duration) {
+        self.grace = grace;
+    }
+
+    /// Waits for the workers: `Ok(true)` once all finished, `Ok(false)` if `timeout`
+    /// passed with some still running, `Err` with the first failure: then the others are
+    /// sent SIGTERM and, after the grace period, SIGKILL. Calling it again is safe (and
+    /// returns the same failure).
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<bool, ProcessError> {
+        let grace = self.grace;
+        self.join_with_grace(timeout, grace)
+    }
+
+    /// [`ProcessContext::join`] with an explicit grace period.
+    pub fn join_with_grace(
+        &mut self,
+        timeout: Option<Duration>,
+        grace: Duration,
+    ) -> Result<bool, ProcessError> {
+        if let Some(f) = &self.failure {
+            return Err(f.clone());
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            for c in self.children.iter_mut().filter(|c| c.outcome.is_none()) {
+                reap(c, false);
+            }
+            let first = self.children.iter().find_map(|c| c.outcome.clone().flatten());
+            if let Some(err) = first {
+                self.terminate(grace);
+                self.failure = Some(err.clone());
+                return Err(err);
+            }
+            if self.children.iter().all(|c| c.outcome.is_some()) {
+                return Ok(true);
+            }
+            let left = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(false);
+                    }
+                    Some(left)
+                }
+                None => None,
+            };
+            self.wait_any(left);
+        }
+    }
+
+    /// Waits until a running worker exits, or `timeout` passes.
+    fn wait_any(&self, timeout: Option<Duration>) {
+        let mut fds: Vec<PollFd<'_>> = self
+            .children
+            .iter()
+            .filter(|c| c.outcome.is_none())
+            .map(|c| PollFd::new(&c.pidfd, PollFlags::IN))
+            .collect();
+        let ts = timeout.map(|t| rustix::event::Timespec {
+            tv_sec: t.as_secs() as i64,
+            tv_nsec: t.subsec_nanos() as i64,
+        });
+        let _ = rustix::event::poll(&mut fds, ts.as_ref());
+    }
+
+    /// SIGTERM to every running worker, SIGKILL after `grace`, and reap them all.
+    fn terminate(&mut self, grace: Duration) {
+        for c in self.children.iter().filter(|c| c.outcome.is_none()) {
+            let _ = rustix::process::pidfd_send_signal(&c.pidfd, Signal::TERM);
+        }
+        let deadline = Instant::now() + grace;
+        loop {
+            for c in self.children.iter_mut().filter(|c| c.outcome.is_none()) {
+                reap(c, false);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.children.iter().all(|c| c.outcome.is_some()) || left.is_zero() {
+                break;
+            }
+            self.wait_any(Some(left));
+        }
+        self.kill_all();
+    }
+
+    /// SIGKILL to every running worker, and reap them.
+    pub(crate) fn kill_all(&mut self) {
+        for c in self.children.iter_mut().filter(|c| c.outcome.is_none()) {
+            let _ = rustix::process::pidfd_send_signal(&c.pidfd, Signal::KILL);
+            reap(c, true);
+        }
+    }
+}
+
+impl Drop for ProcessContext {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+/// Collects a worker's exit (waiting for it if `block`), and decides what it means.
+pub(crate) fn reap(c: &mut Child, block: bool) {
+    let opts = if block { WaitIdOptions::EXITED } else { WaitIdOptions::EXITED | WaitIdOptions::NOHANG };
+    let status = match rustix::process::waitid(WaitId::PidFd(c.pidfd.as_fd()), opts) {
+        Ok(Some(s)) => s,
+        Ok(None) => return, // still running
+        Err(e) => {
+            c.outcome = Some(Some(ProcessError {
+                rank: c.rank,
+                pid: c.pid.as_raw_nonzero().get(),
+                failure: Failure::Lost { reason: format!("waitid failed: {e}") },
+            }));
+            return;
+        }
+    };
+    let report = read_report(&c.job);
+    let failure = match (report, status.exit_status(), status.terminating_signal()) {
+        (Some(Report::Done), Some(0), _) => None,
+        (Some(Report::Raised { message, location, backtrace }), _, _) => {
+            Some(Failure::Raised { message, location, backtrace })
+        }
+        (Some(Report::Lost { reason }), _, _) => Some(Failure::Lost { reason }),
+        (_, _, Some(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
+        (_, Some(0), _) => Some(Failure::Lost {
+            reason: "the worker exited without running its job; does main() call tensorshare::init() \
+                     first (or the test file invoke tensorshare::enable_test_workers!())?"
+                .into(),
+        }),
+        (_, Some(code), _) => Some(Failure::Exited { code }),
+        (_, None, None) => Some(Failure::Lost { reason: "unknown exit status".into() }),
+    };
+    c.outcome = Some(failure.map(|failure| ProcessError {
+        rank: c.rank,
+        pid: c.pid.as_raw_nonzero().get(),
+        failure,
+    }));
+}
+
+fn read_report(job: &OwnedFd) -> Option<Report> {
+    match socket::try_recv(job.as_fd()) {
+        Ok(Received::Record(r)) => wire::decode(&r.bytes, r.fds).ok(),
+        _ => None,
+    }
+}

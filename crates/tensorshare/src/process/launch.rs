@@ -1,0 +1,150 @@
+//! Starting workers: re-executing this binary (Spawn), forking (Fork), or asking the fork
+//! server (ForkServer).
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::context::{Child, ProcessContext};
+use super::job::{entry, Entry, EntryName, Job};
+use super::worker::{worker_main, ExitKind, INHERITED_FD, WORKER_ENV};
+use super::{atfork, forkserver};
+use crate::channel::socket::{self, Deadline};
+use crate::{wire, Error, Result};
+
+/// How workers are started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub enum StartMethod {
+    /// Re-execute the current binary (`/proc/self/exe`); the worker's `main` calls
+    /// [`init`](crate::init) first, which runs the job. Safe whatever the parent does.
+    #[default]
+    Spawn,
+    /// `fork()` without exec: fast, and the worker inherits the parent's memory (a shared
+    /// tensor made before the fork, globals). If the parent has other threads, only the
+    /// forking thread exists in the child: locks other threads held stay locked there
+    /// (tensorshare's own locks are made safe around fork; the program's are not).
+    Fork,
+    /// A single-threaded server process, started on first use, forks the workers: nearly
+    /// as fast as Fork and safe when the parent has threads. Workers inherit the server's
+    /// memory, not the parent's.
+    ForkServer,
+}
+
+impl std::fmt::Display for StartMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StartMethod::Spawn => "spawn",
+            StartMethod::Fork => "fork",
+            StartMethod::ForkServer => "forkserver",
+        })
+    }
+}
+
+impl std::str::FromStr for StartMethod {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "spawn" => Ok(StartMethod::Spawn),
+            "fork" => Ok(StartMethod::Fork),
+            "forkserver" => Ok(StartMethod::ForkServer),
+            _ => Err(Error::Parse(format!("unknown start method {s:?}; expected spawn, fork or forkserver"))),
+        }
+    }
+}
+
+/// The arguments a re-executed worker is started with. A program ignores them: its
+/// `main` calls [`init`](crate::init) first, which never returns in a worker. A test binary
+/// runs only the test named here, made by
+/// [`enable_test_workers!`](crate::enable_test_workers), which calls `init`.
+pub const WORKER_ARGS: [&str; 5] =
+    ["__tensorshare_worker", "--exact", "--nocapture", "--test-threads=1", "-q"];
+
+/// Runs `job(rank, args)` for every rank in `0..nprocs`, each in its own process started
+/// with [`StartMethod::Spawn`]. Wait for them with [`ProcessContext::join`].
+pub fn spawn<J, A>(job: J, args: A, nprocs: usize) -> Result<ProcessContext>
+where
+    J: Job<A>,
+    A: Serialize + DeserializeOwned,
+{
+    start_processes(job, args, nprocs, StartMethod::Spawn)
+}
+
+/// Runs `job(rank, args)` in `nprocs` processes started with `method`.
+pub fn start_processes<J, A>(job: J, args: A, nprocs: usize, method: StartMethod) -> Result<ProcessContext>
+where
+    J: Job<A>,
+    A: Serialize + DeserializeOwned,
+{
+    let name = EntryName::of(entry::<J, A> as Entry);
+    let mut ctx = ProcessContext::new(Vec::with_capacity(nprocs));
+    for rank in 0..nprocs {
+        let (ours, theirs) = socket::pair()?;
+        // Queue the job first: the worker finds it waiting, whatever the start method.
+        for msg in [wire::encode(&name)?, wire::encode(&(rank, job.state(), &args))?] {
+            socket::send(ours.as_fd(), msg, Deadline::after(None), &|| true)?;
+        }
+        let pid = start(theirs, method)?;
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| Error::io("pidfd_open of a new worker", e))?;
+        ctx.children.push(Child { rank, pid, pidfd, job: ours, outcome: None });
+    }
+    Ok(ctx)
+}
+
+/// Starts one worker that reads its job from `job`.
+pub(crate) fn start(job: OwnedFd, method: StartMethod) -> Result<rustix::process::Pid> {
+    match method {
+        StartMethod::Spawn => exec_worker(WORKER_ENV, job),
+        StartMethod::Fork => fork_worker(job),
+        StartMethod::ForkServer => forkserver::start_worker(job),
+    }
+}
+
+/// Re-executes this binary with `fd` at descriptor 3 and `var` naming it.
+pub(crate) fn exec_worker(var: &str, fd: OwnedFd) -> Result<rustix::process::Pid> {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let mut cmd = Command::new("/proc/self/exe");
+    if let Some(arg0) = std::env::args_os().next() {
+        cmd.arg0(arg0);
+    }
+    cmd.args(WORKER_ARGS).env(var, format!("{INHERITED_FD}:{me}"));
+    let raw = fd.as_raw_fd();
+    // SAFETY: the closure runs in the child between fork and exec and only calls dup2 and
+    // fcntl, which are async-signal-safe; `raw` stays open in the parent until spawn returns.
+    unsafe {
+        cmd.pre_exec(move || {
+            if raw == INHERITED_FD {
+                // dup2 onto itself keeps close-on-exec set: clear it instead.
+                if libc::fcntl(raw, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(raw, INHERITED_FD) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| Error::io("starting a worker (exec of /proc/self/exe)", e))?;
+    drop(fd);
+    rustix::process::Pid::from_raw(child.id() as i32).ok_or_else(|| Error::invalid("the worker has pid 0"))
+}
+
+fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
+    atfork::register();
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    // SAFETY: fork has no memory-safety preconditions; in the child only this thread
+    // exists, tensorshare's locks were released by the atfork handlers, and the child runs
+    // the worker and leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(Error::io("fork", std::io::Error::last_os_error())),
+        0 => worker_main(job, me, ExitKind::Forked),
+        pid => {
+            drop(job);
+            rustix::process::Pid::from_raw(pid).ok_or_else(|| Error::invalid("fork returned pid 0"))
+        }
+    }
+}

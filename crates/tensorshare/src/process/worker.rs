@@ -1,0 +1,156 @@
+//! The worker side: what a started process does before, during and after its job.
+
+use std::cell::RefCell;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::panic::AssertUnwindSafe;
+
+use serde::{Deserialize, Serialize};
+
+use super::job::{EntryName, JobResult};
+use crate::channel::socket::{self, Deadline};
+use crate::wire;
+
+/// Set in a re-executed worker: `<job fd>:<parent pid>`.
+pub(crate) const WORKER_ENV: &str = "TENSORSHARE_WORKER";
+/// Set in a fork server: `<control fd>:<parent pid>`.
+pub(crate) const FORKSERVER_ENV: &str = "TENSORSHARE_FORKSERVER";
+/// The descriptor number a re-executed process finds its socket at.
+pub(crate) const INHERITED_FD: i32 = 3;
+
+/// What a worker tells its parent at the end of its job.
+#[derive(Serialize, Deserialize, Debug)]
+pub(crate) enum Report {
+    Done,
+    Raised { message: String, location: Option<String>, backtrace: Option<String> },
+    Lost { reason: String },
+}
+
+/// Reads `<fd>:<pid>` from `var`, if set, and takes it out of the environment so that
+/// processes this one starts do not see it. A process started as a worker whose parent is
+/// already gone exits here: it must not go on to run the program's `main`.
+pub(crate) fn inherited(var: &str) -> Option<(OwnedFd, i32)> {
+    let v = std::env::var(var).ok()?;
+    // init() is the first line of main, before the program has threads of its own.
+    std::env::remove_var(var);
+    let parsed =
+        v.split_once(':').and_then(|(fd, ppid)| Some((fd.parse::<i32>().ok()?, ppid.parse::<i32>().ok()?)));
+    let Some((fd, ppid)) = parsed.filter(|(fd, _)| *fd == INHERITED_FD) else {
+        eprintln!("tensorshare: ignoring a malformed {var}={v:?}");
+        return None;
+    };
+    let parent = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
+    if parent != Some(ppid) {
+        // Orphaned between the parent's exec and this line.
+        exit_now(1);
+    }
+    // SAFETY: the parent put our socket at this descriptor for us; it is borrowed only for
+    // this fstat.
+    let st = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).ok();
+    if st.is_none_or(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket) {
+        eprintln!("tensorshare: {var} is set but descriptor {fd} is not the job socket");
+        exit_now(1);
+    }
+    // SAFETY: the parent put our socket at this descriptor for us (checked above); nothing
+    // else in this process owns it.
+    Some((unsafe { OwnedFd::from_raw_fd(fd) }, ppid))
+}
+
+/// Makes this process die with its parent (the thread that started it, in Linux terms).
+pub(crate) fn die_with_parent(ppid: i32) {
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    // The parent may have died before the line above: then nobody is there to signal us.
+    if rustix::process::getppid().map(|p| p.as_raw_nonzero().get()) != Some(ppid) {
+        exit_now(1);
+    }
+}
+
+/// How a worker leaves: a re-executed one exits normally (its own exit handlers run); a
+/// forked one must not run the handlers it inherited from its parent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExitKind {
+    Normal,
+    Forked,
+}
+
+pub(crate) fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once; no Rust state is used afterwards.
+    unsafe { libc::_exit(code) }
+}
+
+thread_local! {
+    static LAST_PANIC: RefCell<Option<Report>> = const { RefCell::new(None) };
+}
+
+/// Records the panic's message, location and backtrace for the code that catches it (and
+/// still prints it, as the default hook does).
+pub(crate) fn install_panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = if let Some(s) = info.payload().downcast_ref::<&str>() {
+                s.to_string()
+            } else if let Some(s) = info.payload().downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "a panic with a non-string payload".to_string()
+            };
+            let location = info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
+            let backtrace = Some(std::backtrace::Backtrace::force_capture().to_string());
+            LAST_PANIC.with(|p| *p.borrow_mut() = Some(Report::Raised { message, location, backtrace }));
+            previous(info);
+        }));
+    });
+}
+
+/// Runs `f`, turning a panic into a `Raised` report.
+pub(crate) fn catch(f: impl FnOnce() -> JobResult) -> Report {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => Report::Done,
+        Ok(Err(message)) => Report::Raised { message, location: None, backtrace: None },
+        Err(_) => LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or(Report::Raised {
+            message: "panicked".into(),
+            location: None,
+            backtrace: None,
+        }),
+    }
+}
+
+pub(crate) fn send_report(job: &OwnedFd, report: &Report) {
+    if let Ok(msg) = wire::encode(report) {
+        // If the parent is gone there is nobody to tell.
+        let _ = socket::send(job.as_fd(), msg, Deadline::after(None), &|| true);
+    }
+}
+
+/// A worker's life: read which job to run and its arguments from the job socket, run it,
+/// report, exit.
+pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
+    die_with_parent(ppid);
+    install_panic_hook();
+    let report = match run_job(&job) {
+        Ok(report) => report,
+        Err(reason) => Report::Lost { reason },
+    };
+    send_report(&job, &report);
+    drop(job);
+    let code = if matches!(report, Report::Done) { 0 } else { 1 };
+    match exit {
+        ExitKind::Normal => std::process::exit(code),
+        ExitKind::Forked => exit_now(code),
+    }
+}
+
+fn run_job(job: &OwnedFd) -> std::result::Result<Report, String> {
+    let parent_alive = || true; // the job socket's hang-up tells
+    let name = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
+        .map_err(|e| format!("reading the job: {e}"))?;
+    let name: EntryName = wire::decode(&name.bytes, name.fds).map_err(|e| format!("reading the job: {e}"))?;
+    let entry = name.resolve().ok_or("the worker runs a different executable than its parent")?;
+    let payload = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
+        .map_err(|e| format!("reading the job's arguments: {e}"))?;
+    Ok(catch(|| entry(payload)))
+}
