@@ -7,8 +7,13 @@
 //! message carries one descriptor per arena, not one per tensor.
 //!
 //! Header layout (little-endian, native atomics):
-//! `[0..8) magic | [8..16) slot size | [16..20) slot count | [20..64) reserved |
-//! [64..64+4n) holder counts | page-aligned data`.
+//! `[0..8) magic | [8..16) slot size | [16..20) slot count | [20..24) reserved |
+//! [24..28) owner gone | [28..32) unlinked | [32..64) reserved | [64..64+4n) holder counts |
+//! page-aligned data`.
+//!
+//! A named arena (file_system) must outlive its creator while messages or other processes
+//! hold its slots: at exit the creator only marks it "owner gone", and whichever process
+//! brings the last slot count to zero afterwards removes its file.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,6 +23,8 @@ use crate::{Error, Result, SharingStrategy};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA1");
 const HEADER: usize = 64;
+const OWNER_GONE: usize = 24;
+const UNLINKED: usize = 28;
 const PAGE: usize = 4096;
 /// Smallest slot: 64 bytes, so every storage is 64-byte aligned.
 const MIN_SLOT_SHIFT: u32 = 6;
@@ -150,7 +157,34 @@ impl Arena {
     /// One holder less. Saturates at zero: a count that a misbehaving peer broke must not
     /// wrap around and pin the slot for good.
     pub(crate) fn release(&self, slot: u32) {
-        let _ = self.count(slot).fetch_update(Ordering::Release, Ordering::Relaxed, |c| c.checked_sub(1));
+        let prev = self.count(slot).fetch_update(Ordering::Release, Ordering::Relaxed, |c| c.checked_sub(1));
+        if prev == Ok(1) && self.seg.name().is_some() && self.word(OWNER_GONE).load(Ordering::Acquire) != 0 {
+            self.unlink_if_unused();
+        }
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        // SAFETY: OWNER_GONE and UNLINKED are 4-byte aligned offsets inside the header of a
+        // mapping of at least HEADER bytes that lives as long as self.
+        unsafe { &*self.seg.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+
+    /// Removes a named arena's file once its creator is gone and no slot is held.
+    fn unlink_if_unused(&self) {
+        if (0..self.nslots).all(|s| self.holders(s) == 0)
+            && self.word(UNLINKED).compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        {
+            if let Some(name) = self.seg.name() {
+                crate::shm::unlink_name(name);
+            }
+        }
+    }
+
+    /// The creator is leaving: the file goes now if nothing is held, else with the last
+    /// holder.
+    fn orphan(&self) {
+        self.word(OWNER_GONE).store(1, Ordering::Release);
+        self.unlink_if_unused();
     }
 
     /// The current holder count (for tests and tools).
@@ -268,9 +302,7 @@ extern "C" fn unlink_named_at_exit() {
     // than deadlock in exit.
     let Ok(pool) = pool(SharingStrategy::FileSystem).try_lock() else { return };
     for arena in pool.classes.iter().flat_map(|c| c.arenas.iter()).chain(pool.large.iter()) {
-        if let Some(name) = arena.seg.name() {
-            crate::shm::unlink_name(name);
-        }
+        arena.orphan();
     }
 }
 
@@ -313,10 +345,9 @@ fn allocate_large(pool: &mut Pool, len: usize, strategy: SharingStrategy) -> Res
     // Reuse a free arena that is big enough but not wastefully big.
     let mut best: Option<usize> = None;
     for (i, a) in pool.large.iter().enumerate() {
-        if a.slot_size >= want && a.slot_size / 2 <= want && a.holders(0) == 0 {
-            if best.is_none_or(|b| pool.large[b].slot_size > a.slot_size) {
-                best = Some(i);
-            }
+        let fits = a.slot_size >= want && a.slot_size / 2 <= want && a.holders(0) == 0;
+        if fits && best.is_none_or(|b| pool.large[b].slot_size > a.slot_size) {
+            best = Some(i);
         }
     }
     if let Some(i) = best {

@@ -48,7 +48,7 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use nested::NestedTensor;
 pub use process::{
-    init, spawn, start_processes, Captured, Failure, Job, ProcessContext, ProcessError, StartMethod,
+    init, spawn, start_processes, Captured, Failure, Job, Pool, ProcessContext, ProcessError, StartMethod,
 };
 pub use sparse::{SparseLayout, SparseTensor};
 pub use storage::Storage;

@@ -303,8 +303,8 @@ impl SparseTensor {
                 };
                 let by_rows = matches!(layout, SparseLayout::Csr | SparseLayout::Bsr);
                 for o in 0..c.len() - 1 {
-                    for k in c[o] as usize..c[o + 1] as usize {
-                        let (r, col) = if by_rows { (o, p[k] as usize) } else { (p[k] as usize, o) };
+                    for (k, &plain) in p.iter().enumerate().take(c[o + 1] as usize).skip(c[o] as usize) {
+                        let (r, col) = if by_rows { (o, plain as usize) } else { (plain as usize, o) };
                         for i in 0..br {
                             put((r * br + i) * dstrides[0] + col * bc, (k * br + i) * bc, bc);
                         }

@@ -62,6 +62,12 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     }
 }
 
+impl<T> Connection<T> {
+    pub(crate) fn socket(&self) -> &Arc<OwnedFd> {
+        &self.fd
+    }
+}
+
 impl<T> Clone for Connection<T> {
     fn clone(&self) -> Self {
         Connection { fd: self.fd.clone(), _t: PhantomData }

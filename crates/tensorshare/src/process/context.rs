@@ -50,6 +50,21 @@ impl ProcessContext {
         self.children.iter().map(|c| c.pid.as_raw_nonzero().get()).collect()
     }
 
+    /// Each worker's state, by rank: `None` while it runs, then `Some(Ok(()))` or
+    /// `Some(Err(how it ended))` — for the first failure, and for the workers that were
+    /// ended because of it.
+    pub fn states(&self) -> Vec<Option<Result<(), ProcessError>>> {
+        self.children
+            .iter()
+            .map(|c| {
+                c.outcome.as_ref().map(|o| match o {
+                    None => Ok(()),
+                    Some(e) => Err(e.clone()),
+                })
+            })
+            .collect()
+    }
+
     /// Sets the time workers get between SIGTERM and SIGKILL once another worker failed.
     pub fn set_grace_period(&mut self, grace: Duration) {
         self.grace = grace;

@@ -167,16 +167,45 @@ impl EntryName {
         EntryName { offset: addr(f as usize), check: addr(entry_check as fn() as usize) }
     }
 
-    /// The entry function in this process.
-    pub(crate) fn resolve(self) -> Option<Entry> {
+    fn address(self) -> Option<usize> {
         if self.check != addr(entry_check as fn() as usize) {
             return None;
         }
-        let ptr = (anchor as fn() as usize as isize + self.offset) as usize;
+        Some((anchor as fn() as usize as isize + self.offset) as usize)
+    }
+
+    /// The entry function in this process.
+    pub(crate) fn resolve(self) -> Option<Entry> {
+        let ptr = self.address()?;
         // SAFETY: this process runs the same executable as the one that made the name (the
         // check offset agrees, and workers are started from /proc/self/exe or by fork), so
         // anchor + offset is the address of the same `fn(Record) -> JobResult` there.
+        // Names are made only by `of` from an `Entry`.
         Some(unsafe { std::mem::transmute::<usize, Entry>(ptr) })
+    }
+
+    pub(crate) fn of_task(f: fn(Record) -> std::result::Result<wire::Encoded, String>) -> EntryName {
+        EntryName { offset: addr(f as usize), check: addr(entry_check as fn() as usize) }
+    }
+
+    /// A task function named by `of_task`.
+    pub(crate) fn resolve_task(self) -> Option<fn(Record) -> std::result::Result<wire::Encoded, String>> {
+        let ptr = self.address()?;
+        // SAFETY: as in `resolve`; pool workers only receive names made by `of_task`.
+        Some(unsafe {
+            std::mem::transmute::<usize, fn(Record) -> std::result::Result<wire::Encoded, String>>(ptr)
+        })
+    }
+
+    pub(crate) fn of_init(f: fn(usize)) -> EntryName {
+        EntryName { offset: addr(f as usize), check: addr(entry_check as fn() as usize) }
+    }
+
+    /// An initializer named by `of_init`.
+    pub(crate) fn resolve_init(self) -> Option<fn(usize)> {
+        let ptr = self.address()?;
+        // SAFETY: as in `resolve`; the pool sends only names made by `of_init`.
+        Some(unsafe { std::mem::transmute::<usize, fn(usize)>(ptr) })
     }
 }
 

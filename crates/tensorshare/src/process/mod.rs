@@ -15,6 +15,7 @@ mod error;
 mod forkserver;
 mod job;
 mod launch;
+mod pool;
 mod worker;
 
 pub use context::{ProcessContext, DEFAULT_GRACE};
@@ -22,7 +23,7 @@ pub use error::{signal_name, Failure, ProcessError};
 pub use job::{Captured, Job, JobResult, JobReturn};
 pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 
-pub(crate) use worker::{catch, install_panic_hook, Report};
+pub use pool::{Pool, Tasks};
 
 /// The first line of `main`. In a worker it runs the worker's job and exits the process;
 /// everywhere else it returns at once.

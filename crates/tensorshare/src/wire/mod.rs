@@ -461,7 +461,7 @@ fn resolve_storages(descs: &[StorageDesc], segments: &[Result<Arc<Arena>>]) -> R
                 None => Err(Error::invalid(format!(
                     "storage names segment {segment}, which is not in the message"
                 ))),
-                Some(Err(_)) => Err(Error::invalid("a storage's segment could not be mapped")),
+                Some(Err(e)) => Err(Error::invalid(format!("a storage's segment could not be mapped: {e}"))),
                 Some(Ok(arena)) => resolve_block(arena, *slot, *len),
             },
         };

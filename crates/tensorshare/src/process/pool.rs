@@ -1,0 +1,407 @@
+//! [`Pool`]: a fixed set of worker processes that run tasks (torch's / Python's
+//! `multiprocessing.Pool`): `map`, `imap` (ordered, streaming), `imap_unordered`.
+//!
+//! Each worker has its own socket: a task is two records (which function, then its
+//! argument), a result two records (the outcome, then the value). A task that panics fails
+//! alone and its worker goes on; a worker that dies fails the task it had with its
+//! [`ProcessError`] and is replaced.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+
+use rustix::event::{PollFd, PollFlags};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::context::{reap, ProcessContext};
+use super::job::EntryName;
+use super::worker::{catch, install_panic_hook, Report};
+use super::{start_processes, Failure, ProcessError, StartMethod};
+use crate::channel::socket::{self, Deadline};
+use crate::channel::{pipe, Connection};
+use crate::wire::{self, Encoded};
+use crate::{Error, Result};
+
+type TaskEntry = fn(socket::Record) -> std::result::Result<Encoded, String>;
+
+#[derive(Serialize, Deserialize)]
+enum Outcome {
+    Ok,
+    Raised { message: String, location: Option<String>, backtrace: Option<String> },
+}
+
+fn conjure<F>() -> F {
+    assert_eq!(std::mem::size_of::<F>(), 0);
+    // SAFETY: F is a zero-sized closure that captures nothing (checked at compile time by
+    // the const in `Pool::imap`, and above): it has no bytes and no invariants.
+    unsafe { std::mem::zeroed() }
+}
+
+fn task_entry<F, T, U>(record: socket::Record) -> std::result::Result<Encoded, String>
+where
+    F: Fn(T) -> U,
+    T: DeserializeOwned,
+    U: Serialize,
+{
+    let item: T =
+        wire::decode(&record.bytes, record.fds).map_err(|e| format!("cannot decode the task: {e}"))?;
+    let out = conjure::<F>()(item);
+    wire::encode(&out).map_err(|e| format!("cannot encode the result: {e}"))
+}
+
+fn init_entry<I: Fn(usize)>(rank: usize) {
+    conjure::<I>()(rank)
+}
+
+/// The worker's loop: tasks until the pool hangs up.
+fn pool_worker(
+    rank: usize,
+    (conn, init): (Connection<()>, Option<(EntryName, usize)>),
+) -> std::result::Result<(), String> {
+    install_panic_hook();
+    if let Some((name, _)) = init {
+        let f = name.resolve_init().ok_or("the pool's initializer is not in this executable")?;
+        f(rank);
+    }
+    let fd = conn.socket().clone();
+    loop {
+        let head = match socket::recv(fd.as_fd(), Deadline::after(None), &|| true) {
+            Ok(r) => r,
+            Err(Error::Disconnected) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let name: EntryName = wire::decode(&head.bytes, head.fds).map_err(|e| e.to_string())?;
+        let entry: TaskEntry = name.resolve_task().ok_or("a task not in this executable")?;
+        let payload = socket::recv(fd.as_fd(), Deadline::after(None), &|| true).map_err(|e| e.to_string())?;
+        let mut result = None;
+        let report = catch(|| {
+            result = Some(entry(payload)?);
+            Ok(())
+        });
+        let (outcome, value) = match (report, result) {
+            (Report::Done, Some(v)) => (Outcome::Ok, Some(v)),
+            (Report::Raised { message, location, backtrace }, _) => {
+                (Outcome::Raised { message, location, backtrace }, None)
+            }
+            (_, _) => (
+                Outcome::Raised {
+                    message: "the task produced no result".into(),
+                    location: None,
+                    backtrace: None,
+                },
+                None,
+            ),
+        };
+        let send = |m: Encoded| socket::send(fd.as_fd(), m, Deadline::after(None), &|| true);
+        send(wire::encode(&outcome).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        if let Some(v) = value {
+            send(v).map_err(|e| e.to_string())?;
+        }
+    }
+}
+
+struct Worker {
+    ctx: ProcessContext,
+    sock: OwnedFd,
+    /// The index of the task it runs.
+    task: Option<usize>,
+}
+
+/// A pool of worker processes running tasks. Dropping it ends its workers.
+pub struct Pool {
+    workers: Vec<Worker>,
+    method: StartMethod,
+    init: Option<(EntryName, usize)>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("workers", &self.pids()).finish()
+    }
+}
+
+impl Pool {
+    /// `n` workers, started with [`StartMethod::Spawn`].
+    pub fn new(n: usize) -> Result<Pool> {
+        Pool::build(n, StartMethod::Spawn, None)
+    }
+
+    /// `n` workers started with `method`.
+    pub fn with_method(n: usize, method: StartMethod) -> Result<Pool> {
+        Pool::build(n, method, None)
+    }
+
+    /// `n` workers, each running `init(rank)` once before its first task (also a worker
+    /// that replaces a dead one). `init` must capture nothing.
+    pub fn with_initializer<I>(n: usize, method: StartMethod, init: I) -> Result<Pool>
+    where
+        I: Fn(usize) + Send + Sync + 'static,
+    {
+        let () = ZeroSized::<I>::OK;
+        let _ = init;
+        Pool::build(n, method, Some((EntryName::of_init(init_entry::<I>), 0)))
+    }
+
+    fn build(n: usize, method: StartMethod, init: Option<(EntryName, usize)>) -> Result<Pool> {
+        if n == 0 {
+            return Err(Error::shape("a pool needs at least one worker"));
+        }
+        let mut pool = Pool { workers: Vec::with_capacity(n), method, init };
+        for rank in 0..n {
+            let w = pool.start(rank)?;
+            pool.workers.push(w);
+        }
+        Ok(pool)
+    }
+
+    fn start(&self, rank: usize) -> Result<Worker> {
+        let (ours, theirs) = pipe::<()>()?;
+        let mut ctx = start_processes(pool_worker, (theirs, self.init), 1, self.method)?;
+        ctx.children[0].rank = rank;
+        let sock = ours.socket().try_clone().map_err(|e| Error::io("dup of a pool socket", e))?;
+        Ok(Worker { ctx, sock, task: None })
+    }
+
+    /// The workers' process ids.
+    pub fn pids(&self) -> Vec<i32> {
+        self.workers.iter().flat_map(|w| w.ctx.pids()).collect()
+    }
+
+    /// `f` applied to every item, in order. The first failed task's error is returned.
+    pub fn map<F, T, U>(&mut self, f: F, items: impl IntoIterator<Item = T>) -> Result<Vec<U>>
+    where
+        F: Fn(T) -> U + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned,
+        U: Serialize + DeserializeOwned,
+    {
+        self.imap(f, items).collect()
+    }
+
+    /// `f` applied to every item; results stream out in the items' order as they are done.
+    pub fn imap<F, T, U, I>(&mut self, f: F, items: I) -> Tasks<'_, T, U, I::IntoIter>
+    where
+        F: Fn(T) -> U + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned,
+        U: Serialize + DeserializeOwned,
+        I: IntoIterator<Item = T>,
+    {
+        let () = ZeroSized::<F>::OK;
+        let _ = f;
+        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), true)
+    }
+
+    /// Like [`Pool::imap`], but each result comes out as soon as it is done.
+    pub fn imap_unordered<F, T, U, I>(&mut self, f: F, items: I) -> Tasks<'_, T, U, I::IntoIter>
+    where
+        F: Fn(T) -> U + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned,
+        U: Serialize + DeserializeOwned,
+        I: IntoIterator<Item = T>,
+    {
+        let () = ZeroSized::<F>::OK;
+        let _ = f;
+        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), false)
+    }
+}
+
+struct ZeroSized<F>(PhantomData<F>);
+impl<F> ZeroSized<F> {
+    const OK: () = assert!(
+        std::mem::size_of::<F>() == 0,
+        "tensorshare: a pool task runs in another process and must capture nothing; pass data in the items"
+    );
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let mut contexts = Vec::with_capacity(self.workers.len());
+        for w in std::mem::take(&mut self.workers) {
+            // Hanging up tells the worker to finish; it exits on its own.
+            drop(w.sock);
+            contexts.push(w.ctx);
+        }
+        for mut ctx in contexts {
+            // One that does not finish in time is killed when its context drops.
+            let _ = ctx.join(Some(std::time::Duration::from_secs(1)));
+        }
+    }
+}
+
+/// The results of [`Pool::imap`] or [`Pool::imap_unordered`], as an iterator of
+/// `Result<U>`: a task that failed yields its error and the others go on.
+pub struct Tasks<'p, T, U, I> {
+    pool: &'p mut Pool,
+    entry: EntryName,
+    items: I,
+    next_index: usize,
+    ordered: bool,
+    /// Done, waiting to be yielded (ordered mode) or in completion order.
+    done: BTreeMap<usize, Result<U>>,
+    done_order: VecDeque<usize>,
+    next_yield: usize,
+    exhausted: bool,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<'p, T, U, I> Tasks<'p, T, U, I>
+where
+    T: Serialize + DeserializeOwned,
+    U: Serialize + DeserializeOwned,
+    I: Iterator<Item = T>,
+{
+    fn new(pool: &'p mut Pool, entry: EntryName, items: I, ordered: bool) -> Self {
+        Tasks {
+            pool,
+            entry,
+            items,
+            next_index: 0,
+            ordered,
+            done: BTreeMap::new(),
+            done_order: VecDeque::new(),
+            next_yield: 0,
+            exhausted: false,
+            _t: PhantomData,
+        }
+    }
+
+    fn finish(&mut self, index: usize, r: Result<U>) {
+        self.done.insert(index, r);
+        self.done_order.push_back(index);
+    }
+
+    /// Gives idle workers their next task.
+    fn dispatch(&mut self) {
+        for wi in 0..self.pool.workers.len() {
+            if self.exhausted || self.pool.workers[wi].task.is_some() {
+                continue;
+            }
+            let Some(item) = self.items.next() else {
+                self.exhausted = true;
+                break;
+            };
+            let index = self.next_index;
+            self.next_index += 1;
+            let sent = (|| -> Result<()> {
+                let w = &self.pool.workers[wi];
+                socket::send(w.sock.as_fd(), wire::encode(&self.entry)?, Deadline::after(None), &|| true)?;
+                socket::send(w.sock.as_fd(), wire::encode(&item)?, Deadline::after(None), &|| true)
+            })();
+            match sent {
+                Ok(()) => self.pool.workers[wi].task = Some(index),
+                Err(e) => self.finish(index, Err(e)),
+            }
+        }
+    }
+
+    /// Waits for a result or a worker's death, and records it.
+    fn collect_one(&mut self) -> Result<()> {
+        let busy: Vec<usize> =
+            (0..self.pool.workers.len()).filter(|&i| self.pool.workers[i].task.is_some()).collect();
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(busy.len() * 2);
+        for &i in &busy {
+            let w = &self.pool.workers[i];
+            fds.push(PollFd::new(&w.sock, PollFlags::IN));
+            fds.push(PollFd::new(&w.ctx.children[0].pidfd, PollFlags::IN));
+        }
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::io("poll on pool workers", e)),
+        }
+        let ready: Vec<(usize, bool, bool)> = busy
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (i, !fds[2 * k].revents().is_empty(), !fds[2 * k + 1].revents().is_empty()))
+            .collect();
+        drop(fds);
+        for (i, sock_ready, died) in ready {
+            if sock_ready {
+                if let Some(r) = self.read_result(i) {
+                    let index = self.pool.workers[i].task.take().expect("busy worker");
+                    self.finish(index, r);
+                    continue;
+                }
+            }
+            if died || sock_ready {
+                self.replace(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The outcome and value a worker sent, if it sent them.
+    fn read_result(&mut self, i: usize) -> Option<Result<U>> {
+        let w = &self.pool.workers[i];
+        let rank = w.ctx.children[0].rank;
+        let pid = w.ctx.pids()[0];
+        let head = match socket::try_recv(w.sock.as_fd()) {
+            Ok(socket::Received::Record(r)) => r,
+            _ => return None,
+        };
+        let outcome: Outcome = match wire::decode(&head.bytes, head.fds) {
+            Ok(o) => o,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(match outcome {
+            Outcome::Raised { message, location, backtrace } => Err(Error::Process(ProcessError {
+                rank,
+                pid,
+                failure: Failure::Raised { message, location, backtrace },
+            })),
+            Outcome::Ok => socket::recv(w.sock.as_fd(), Deadline::after(None), &|| true)
+                .and_then(|r| wire::decode::<U>(&r.bytes, r.fds)),
+        })
+    }
+
+    /// A worker died: its task fails with how it died, and a new worker takes its place.
+    fn replace(&mut self, i: usize) -> Result<()> {
+        let w = &mut self.pool.workers[i];
+        let child = &mut w.ctx.children[0];
+        reap(child, true);
+        let err = child.outcome.clone().flatten().unwrap_or(ProcessError {
+            rank: child.rank,
+            pid: child.pid.as_raw_nonzero().get(),
+            failure: Failure::Lost { reason: "the worker hung up".into() },
+        });
+        if let Some(index) = w.task.take() {
+            self.finish(index, Err(Error::Process(err)));
+        }
+        let rank = self.pool.workers[i].ctx.children[0].rank;
+        self.pool.workers[i] = self.pool.start(rank)?;
+        Ok(())
+    }
+}
+
+impl<T, U, I> Iterator for Tasks<'_, T, U, I>
+where
+    T: Serialize + DeserializeOwned,
+    U: Serialize + DeserializeOwned,
+    I: Iterator<Item = T>,
+{
+    type Item = Result<U>;
+
+    fn next(&mut self) -> Option<Result<U>> {
+        loop {
+            if self.ordered {
+                if let Some(r) = self.done.remove(&self.next_yield) {
+                    self.next_yield += 1;
+                    return Some(r);
+                }
+            } else if let Some(index) = self.done_order.pop_front() {
+                if let Some(r) = self.done.remove(&index) {
+                    return Some(r);
+                }
+                continue;
+            }
+            self.dispatch();
+            if self.exhausted && self.pool.workers.iter().all(|w| w.task.is_none()) && self.done.is_empty() {
+                return None;
+            }
+            if self.pool.workers.iter().any(|w| w.task.is_some()) {
+                if let Err(e) = self.collect_one() {
+                    return Some(Err(e));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Ports of torch's sharing tests from test/test_multiprocessing.py, between real
+//! processes, each under both strategies; and what torch cannot do.
+
+#![allow(clippy::type_complexity)] // queues of tuples, spelled out in each test
+
+use tensorshare::{
+    spawn, wire, DType, Error, Queue, SharingStrategy, SimpleQueue, Storage, Tensor, TensorKind,
+};
+
+tensorshare::enable_test_workers!();
+
+macro_rules! each_strategy {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                use tensorshare::SharingStrategy;
+                #[test]
+                fn file_descriptor() {
+                    super::$name(SharingStrategy::FileDescriptor)
+                }
+                #[test]
+                fn file_system() {
+                    super::$name(SharingStrategy::FileSystem)
+                }
+            }
+        )*
+    };
+}
+
+each_strategy!(
+    test_sharing,
+    test_preserve_sharing,
+    test_empty_tensor_sharing,
+    test_variable_sharing,
+    test_parameter_sharing,
+    test_views_alias_in_the_worker,
+);
+
+fn shared(mut t: Tensor, s: SharingStrategy) -> Tensor {
+    t.share_memory_with(s).unwrap();
+    t
+}
+
+/// torch's _test_sharing (test_fd_sharing, test_fs_sharing): a worker fills a received
+/// tensor and its column view with 4; the parent sees it through both. Then a worker sends
+/// one shared tensor twice, and the parent's two copies alias. (torch shares the tensor in
+/// place on `put`; here sharing is explicit, and a private tensor is sent as a copy.)
+fn test_sharing(s: SharingStrategy) {
+    let x = shared(Tensor::zeros(&[5, 5], DType::F32), s);
+    let data = (x.clone(), x.narrow(1, 1, 1).unwrap());
+    let q: Queue<(Tensor, Tensor)> = Queue::new().unwrap();
+    q.put(data.clone()).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<(Tensor, Tensor)>| {
+            let (mut x, mut col) = q.get().unwrap();
+            x.as_mut_slice::<f32>().unwrap().fill(4.0);
+            col.fill(4.0f32).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(data.0.to_vec::<f32>().unwrap().iter().all(|v| *v == 4.0));
+    assert!(data.1.to_vec::<f32>().unwrap().iter().all(|v| *v == 4.0));
+
+    // test_receive: one tensor sent twice by the worker.
+    let back: Queue<Tensor> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, s): (Queue<Tensor>, SharingStrategy)| {
+            let mut t = Tensor::ones(&[5, 5], DType::F32);
+            t.share_memory_with(s).unwrap();
+            q.put(t.clone()).unwrap();
+            q.put(t).unwrap();
+        },
+        (back.clone(), s),
+        1,
+    )
+    .unwrap();
+    let t1 = back.get().unwrap();
+    let t2 = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(t1.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0));
+    // Upstream compares s1.data_ptr() with itself; what it means is that both alias.
+    assert_eq!(t1.storage().data_ptr(), t2.storage().data_ptr());
+    assert!(t1.storage().ptr_eq(t2.storage()));
+    assert_eq!(t1.storage().sharing_strategy(), Some(s));
+}
+
+/// torch's _test_preserve_sharing: a storage, a tensor on it, a row and a column view go
+/// through a queue (here: to a worker and back) and still share one storage.
+fn test_preserve_sharing(s: SharingStrategy) {
+    let x = shared(Tensor::from_vec((0..25).map(|v| v as f64).collect(), &[5, 5]).unwrap(), s);
+    type Data = (Storage, Tensor, Tensor, Tensor);
+    let data: Data = (x.storage().clone(), x.clone(), x.select(0, 2).unwrap(), x.narrow(1, 1, 1).unwrap());
+    let to: Queue<Data> = Queue::new().unwrap();
+    let from: Queue<Data> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (to, from): (Queue<Data>, Queue<Data>)| {
+            let d = to.get().unwrap();
+            // In the worker, everything is one storage too.
+            assert!(d.1.storage().ptr_eq(&d.0) && d.2.storage().ptr_eq(&d.0) && d.3.storage().ptr_eq(&d.0));
+            from.put(d).unwrap();
+        },
+        (to.clone(), from.clone()),
+        1,
+    )
+    .unwrap();
+    to.put(data.clone()).unwrap();
+    let back = from.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(back.1.equal(&data.1) && back.2.equal(&data.2) && back.3.equal(&data.3));
+    for t in [&back.1, &back.2, &back.3] {
+        assert_eq!(t.storage().data_ptr(), back.0.data_ptr());
+    }
+    assert!(back.0.ptr_eq(x.storage()), "back in the process that made it: the same storage");
+}
+
+/// torch's test_empty_tensor_sharing (and, with meta tensors, test_tensor_sharing_meta and
+/// test_empty_tensor_sharing_meta).
+fn test_empty_tensor_sharing(s: SharingStrategy) {
+    let empty = shared(Tensor::zeros(&[0], DType::F32), s);
+    let empty_i = shared(Tensor::zeros(&[0], DType::I64), s);
+    let meta = Tensor::meta(&[5, 5], DType::F32);
+    let meta_empty = Tensor::meta(&[0], DType::I64);
+    let v = (empty, empty_i, meta, meta_empty);
+    let q: Queue<(Tensor, Tensor, Tensor, Tensor)> = Queue::new().unwrap();
+    let back: Queue<(Tensor, Tensor, Tensor, Tensor)> = Queue::new().unwrap();
+    let mut ctx =
+        spawn(
+            |_rank,
+             (q, back): (
+                Queue<(Tensor, Tensor, Tensor, Tensor)>,
+                Queue<(Tensor, Tensor, Tensor, Tensor)>,
+            )| {
+                back.put(q.get().unwrap()).unwrap();
+            },
+            (q.clone(), back.clone()),
+            1,
+        )
+        .unwrap();
+    q.put(v.clone()).unwrap();
+    let r = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(r.0.equal(&v.0) && r.1.equal(&v.1) && r.2.equal(&v.2) && r.3.equal(&v.3));
+    assert_eq!(r.2.device(), tensorshare::Device::Meta);
+    assert!(r.0.is_shared());
+}
+
+/// torch's test_variable_sharing and test_leaf_variable_sharing: requires_grad travels,
+/// the worker sees the values and its writes are seen by the parent.
+fn test_variable_sharing(s: SharingStrategy) {
+    for requires_grad in [true, false] {
+        let mut var = shared(Tensor::from_vec((1..=25).map(|v| v as f32).collect(), &[5, 5]).unwrap(), s);
+        var.set_requires_grad(requires_grad).unwrap();
+        let q: Queue<Tensor> = Queue::new().unwrap();
+        q.put(var.clone()).unwrap();
+        let mut ctx = spawn(
+            |_rank, (q, requires_grad): (Queue<Tensor>, bool)| {
+                let mut v = q.get().unwrap();
+                assert_eq!(v.requires_grad(), requires_grad);
+                let expected: Vec<f32> = (1..=25).map(|v| v as f32).collect();
+                assert_eq!(v.to_vec::<f32>().unwrap(), expected);
+                v.as_mut_slice::<f32>().unwrap()[0] = -1.0;
+            },
+            (q.clone(), requires_grad),
+            1,
+        )
+        .unwrap();
+        assert_eq!(ctx.join(None), Ok(true));
+        assert_eq!(var.to_vec::<f32>().unwrap()[0], -1.0);
+    }
+}
+
+/// torch's test_parameter_sharing and test_integer_parameter_serialization: a parameter
+/// stays a parameter, float or integer.
+fn test_parameter_sharing(s: SharingStrategy) {
+    let p = shared(Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap(), s).into_parameter();
+    let ip = Tensor::from_vec(vec![1i64, 2], &[2]).unwrap().into_parameter();
+    assert!(!ip.requires_grad());
+    let q: Queue<(Tensor, Tensor)> = Queue::new().unwrap();
+    let back: Queue<(Tensor, Tensor)> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<(Tensor, Tensor)>, Queue<(Tensor, Tensor)>)| {
+            let (p, ip) = q.get().unwrap();
+            assert_eq!(p.kind(), TensorKind::Parameter);
+            assert!(p.requires_grad());
+            assert_eq!(ip.kind(), TensorKind::Parameter);
+            back.put((p, ip)).unwrap();
+        },
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    q.put((p.clone(), ip.clone())).unwrap();
+    let (rp, rip) = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(rp.kind(), TensorKind::Parameter);
+    assert!(rp.requires_grad());
+    assert!(rp.storage().ptr_eq(p.storage()));
+    assert_eq!(rip.kind(), TensorKind::Parameter);
+    assert_eq!(rip.to_vec::<i64>().unwrap(), vec![1, 2]);
+}
+
+/// Views made in the worker from a received tensor write the parent's memory.
+fn test_views_alias_in_the_worker(s: SharingStrategy) {
+    let x = shared(Tensor::zeros(&[4, 4], DType::I32), s);
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    q.put(x.clone()).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<Tensor>| {
+            let x = q.get().unwrap();
+            let mut d = x.t().unwrap().select(0, 3).unwrap();
+            d.fill(9i32).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let v = x.to_vec::<i32>().unwrap();
+    for r in 0..4 {
+        assert_eq!(v[r * 4 + 3], 9);
+    }
+}
+
+/// torch's file_descriptor strategy needs the sender alive until the receiver has the fd
+/// (pytorch#65418). Here the message carries it: the worker sends and exits, and the
+/// parent reads afterwards.
+#[test]
+fn a_sender_that_exits_before_the_receiver_reads() {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<Vec<Tensor>>| {
+            let small = Tensor::full(&[100], 7i64);
+            let big = Tensor::full(&[3 << 20], 0.5f32); // a one-slot arena of its own
+            q.put(vec![small, big]).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true), "the worker has exited");
+    let got = q.get().unwrap();
+    assert!(got[0].to_vec::<i64>().unwrap().iter().all(|v| *v == 7));
+    assert!(got[1].to_vec::<f32>().unwrap().iter().all(|v| *v == 0.5));
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// torch's pain: one descriptor per storage. A worker limited to 256 descriptors holds
+/// 10,000 received tensors at once.
+#[test]
+fn ten_thousand_live_tensors_under_rlimit_nofile_256() {
+    let q: Queue<Tensor> = Queue::with_capacity(64).unwrap();
+    let result: Queue<Result<(f64, usize), String>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, result): (Queue<Tensor>, Queue<Result<(f64, usize), String>>)| {
+            let limit = rustix::process::Rlimit { current: Some(256), maximum: Some(256) };
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).unwrap();
+            let mut live = Vec::with_capacity(10_000);
+            for _ in 0..10_000 {
+                match q.get() {
+                    Ok(t) => live.push(t),
+                    Err(e) => {
+                        result.put(Err(e.to_string())).unwrap();
+                        return;
+                    }
+                }
+            }
+            let sum: f64 =
+                live.iter().map(|t| t.to_vec::<f32>().unwrap().iter().map(|v| *v as f64).sum::<f64>()).sum();
+            result.put(Ok((sum, open_fds()))).unwrap();
+        },
+        (q.clone(), result.clone()),
+        1,
+    )
+    .unwrap();
+    for i in 0..10_000 {
+        q.put(Tensor::full(&[16], i as f32)).unwrap();
+    }
+    let (sum, fds) = result.get().unwrap().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let expected: f64 = (0..10_000).map(|i| 16.0 * i as f64).sum();
+    assert_eq!(sum, expected);
+    assert!(fds < 64, "the worker held {fds} descriptors for 10,000 tensors");
+}
+
+/// The descriptor count of a sender and of a receiver stays flat over 100,000 messages.
+#[test]
+fn descriptor_counts_stay_flat_over_100000_messages() {
+    const N: usize = 100_000;
+    let q: Queue<Tensor> = Queue::with_capacity(16).unwrap();
+    let result: Queue<(usize, usize)> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, result): (Queue<Tensor>, Queue<(usize, usize)>)| {
+            let mut after_warmup = 0;
+            for i in 0..N {
+                let t = q.get().unwrap();
+                assert_eq!(t.as_slice::<i32>().unwrap()[0], i as i32);
+                if i == 1000 {
+                    after_warmup = open_fds();
+                }
+            }
+            result.put((after_warmup, open_fds())).unwrap();
+        },
+        (q.clone(), result.clone()),
+        1,
+    )
+    .unwrap();
+    let mut sender_after_warmup = 0;
+    for i in 0..N {
+        q.put(Tensor::full(&[4], i as i32)).unwrap();
+        if i == 1000 {
+            sender_after_warmup = open_fds();
+        }
+    }
+    let (recv_warm, recv_end) = result.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let sender_end = open_fds();
+    // The receiver holds one descriptor per arena it maps; the sender's arenas are shared
+    // with the tests running beside this one, which may make it open another one or two.
+    assert!(
+        recv_end <= recv_warm + 2,
+        "receiver: {recv_warm} descriptors after warm-up, {recv_end} at the end"
+    );
+    // Other tests of this binary run in parallel and open descriptors of their own: allow
+    // them some, but far fewer than one per message.
+    assert!(sender_end <= sender_after_warmup + 64, "sender: {sender_after_warmup} → {sender_end}");
+}
+
+/// A producer killed with SIGKILL: the consumer's blocked get returns Disconnected.
+#[test]
+fn a_sigkilled_producer_makes_get_disconnected() {
+    let q: SimpleQueue<u32> = SimpleQueue::new().unwrap();
+    fn put_one_then_wait(_rank: usize, q: SimpleQueue<u32>) {
+        q.put(1).unwrap();
+        loop {
+            std::thread::park();
+        }
+    }
+    let mut ctx = spawn(put_one_then_wait, q.clone(), 1).unwrap();
+    assert_eq!(q.get().unwrap(), 1);
+    let pid = rustix::process::Pid::from_raw(ctx.pids()[0]).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    let err = ctx.join(None).unwrap_err();
+    assert_eq!(err.signal_name(), Some("SIGKILL"));
+    assert!(matches!(q.get(), Err(Error::Disconnected)));
+}
+
+/// Handles pointing outside their segment are InvalidMessage, in a real receiver.
+#[test]
+fn a_malformed_message_from_another_process_is_invalid_not_a_crash() {
+    let t = Tensor::full(&[8], 1u8);
+    let msg = wire::encode(&t).unwrap();
+    let mut bytes = msg.to_vec();
+    // The last payload bytes are the tensor's offset, flags and device: make the offset huge.
+    let n = bytes.len();
+    bytes[n - 4] = 0xff;
+    let fds: Vec<_> = msg.fds().iter().map(|f| f.try_clone_to_owned().unwrap()).collect();
+    let err = wire::decode::<Tensor>(&bytes, fds).unwrap_err();
+    assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+}
