@@ -121,6 +121,13 @@ impl Control {
     pub(crate) fn acquire(&self, slice: Duration) -> bool {
         let b = self.block();
         let mut p = b.permits.load(Ordering::Acquire);
+        // A consumer usually frees a place within microseconds: wait for it awake first, as
+        // a sleep and a wake-up cost more than that.
+        let spin_until = std::time::Instant::now() + super::socket::SPIN;
+        while p == 0 && std::time::Instant::now() < spin_until {
+            std::hint::spin_loop();
+            p = b.permits.load(Ordering::Acquire);
+        }
         loop {
             if p == UNBOUNDED {
                 return true;

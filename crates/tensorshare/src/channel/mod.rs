@@ -2,10 +2,12 @@
 //! AF_UNIX SOCK_SEQPACKET sockets with descriptors passed alongside (SCM_RIGHTS).
 
 mod control;
+mod fd;
 mod pipe;
 mod queue;
 pub(crate) mod socket;
 
+pub use fd::SharedFd;
 pub use pipe::{pipe, Connection};
 pub use queue::{Queue, SimpleQueue};
 

@@ -23,6 +23,10 @@ use crate::{Error, Result};
 pub(crate) const MAX_INLINE: usize = 64 * 1024;
 /// How often a blocked call checks that its peers are still alive.
 const LIVENESS_SLICE: Duration = Duration::from_millis(50);
+/// How long a receive polls the socket before it sleeps. Waking a sleeping process costs
+/// more than a small message's whole trip, so a reply that comes within this window is
+/// picked up without a sleep and a wake-up.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 /// A connected pair of non-blocking SEQPACKET sockets.
 pub(crate) fn pair() -> Result<(OwnedFd, OwnedFd)> {
@@ -191,11 +195,16 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
 /// Waits for a record until the deadline. `alive` says whether a writer can still exist;
 /// when it says no while nothing is waiting, the result is `Disconnected`.
 pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> bool) -> Result<Record> {
+    let spin_until = Instant::now() + SPIN;
     loop {
         match try_recv(fd)? {
             Received::Record(r) => return Ok(r),
             Received::Closed => return Err(Error::Disconnected),
             Received::Empty => {}
+        }
+        if Instant::now() < spin_until && deadline.slice().is_some() {
+            std::hint::spin_loop();
+            continue;
         }
         let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
         if !wait(fd, PollFlags::IN, slice)? && !alive() {

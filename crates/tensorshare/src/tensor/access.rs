@@ -119,6 +119,16 @@ impl Tensor {
     pub fn fill<T: Element>(&mut self, value: T) -> Result<&mut Self> {
         self.check_dtype::<T>()?;
         self.check_cpu()?;
+        if self.is_contiguous() {
+            let p = self.elem_ptr(self.offset).cast::<T>();
+            for i in 0..self.numel() {
+                // SAFETY: the view is contiguous and in bounds, so its numel elements start
+                // at p; p is aligned for T (aligned storage, whole-element offset). Writing
+                // through the raw pointer never reads the old (possibly stale) bytes.
+                unsafe { p.add(i).write(value) };
+            }
+            return Ok(self);
+        }
         let bytes = bytemuck::bytes_of(&value);
         self.fill_bytes(bytes);
         Ok(self)

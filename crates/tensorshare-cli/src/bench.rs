@@ -1,0 +1,224 @@
+//! `tensorshare bench`: the workloads of torch_baseline.py, with the same names, arguments
+//! and JSON keys, so the two systems can be joined line by line.
+
+use std::time::{Duration, Instant};
+
+use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, Tensor};
+
+/// One workload's figures, as (key, value) pairs in the order torch's script prints them.
+pub struct Figures(pub Vec<(&'static str, f64)>);
+
+/// A workload with its arguments, as the command line and the JSON give them.
+pub struct Workload {
+    pub name: String,
+    pub args: Vec<String>,
+}
+
+/// The full table of BENCHMARKS.md.
+pub fn all() -> Vec<Workload> {
+    let w = |name: &str, args: &[&str]| Workload {
+        name: name.into(),
+        args: args.iter().map(|s| s.to_string()).collect(),
+    };
+    vec![
+        w("pingpong", &["4096", "2000", "fresh"]),
+        w("pingpong", &["4096", "2000", "same"]),
+        w("pingpong", &["1048576", "500", "fresh"]),
+        w("pingpong", &["67108864", "30", "fresh"]),
+        w("stream", &["4096", "5000"]),
+        w("stream", &["1048576", "1907"]),
+        w("stream", &["67108864", "29"]),
+        w("batch", &["1024", "100", "50"]),
+        w("spawn", &["8"]),
+        w("spawn", &["1"]),
+    ]
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> Result<T, String> {
+    args.get(i)
+        .ok_or_else(|| format!("missing {what}"))?
+        .parse()
+        .map_err(|_| format!("bad {what}: {:?}", args[i]))
+}
+
+pub fn run(w: &Workload, strategy: SharingStrategy) -> Result<Figures, String> {
+    set_sharing_strategy(strategy).map_err(|e| e.to_string())?;
+    let a = &w.args;
+    match w.name.as_str() {
+        "pingpong" => pingpong(arg(a, 0, "SIZE")?, arg(a, 1, "ROUNDS")?, &arg::<String>(a, 2, "fresh|same")?),
+        "stream" => stream(arg(a, 0, "SIZE")?, arg(a, 1, "COUNT")?, strategy),
+        "batch" => batch(arg(a, 0, "SIZE")?, arg(a, 1, "K")?, arg(a, 2, "COUNT")?, strategy),
+        "spawn" => spawn_workers(arg(a, 0, "N")?),
+        other => Err(format!("unknown workload {other:?}; expected pingpong, stream, batch or spawn")),
+    }
+    .map_err(|e| format!("{} {}: {e}", w.name, w.args.join(" ")))
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// A new tensor of `n` f32 set to `v`, made where tensors that will be sent belong: in
+/// shared memory, so sending it copies nothing.
+fn fresh(n: usize, v: f32) -> Result<Tensor, String> {
+    let mut t = Tensor::empty_shared(&[n], DType::F32).map_err(err)?;
+    t.fill(v).map_err(err)?;
+    Ok(t)
+}
+
+fn echo(_rank: usize, (to, from, rounds): (Queue<Tensor>, Queue<Tensor>, usize)) {
+    for _ in 0..rounds {
+        let t = to.get().expect("pingpong: get");
+        from.put(t).expect("pingpong: put");
+    }
+}
+
+fn pingpong(size: usize, rounds: usize, mode: &str) -> Result<Figures, String> {
+    let same_mode = match mode {
+        "same" => true,
+        "fresh" => false,
+        m => return Err(format!("mode must be fresh or same, not {m:?}")),
+    };
+    let n = (size / 4).max(1);
+    let to: Queue<Tensor> = Queue::new().map_err(err)?;
+    let from: Queue<Tensor> = Queue::new().map_err(err)?;
+    let mut ctx = spawn(echo, (to.clone(), from.clone(), rounds + 50), 1).map_err(err)?;
+    let same = fresh(n, 1.0)?;
+    let one = |t0: Instant| -> Result<Duration, String> {
+        let t = if same_mode { same.clone() } else { fresh(n, 1.0)? };
+        to.put(t).map_err(err)?;
+        let r = from.get().map_err(err)?;
+        let rtt = t0.elapsed();
+        drop(r);
+        Ok(rtt / 2)
+    };
+    for _ in 0..50 {
+        one(Instant::now())?;
+    }
+    let mut lat: Vec<Duration> = (0..rounds).map(|_| one(Instant::now())).collect::<Result<_, _>>()?;
+    ctx.join(None).map_err(err)?;
+    lat.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    Ok(Figures(vec![("median_us", us(lat[lat.len() / 2])), ("p99_us", us(lat[lat.len() * 99 / 100]))]))
+}
+
+/// Sums f32 with eight lanes, so the sum runs at memory speed.
+pub fn sum_f32(v: &[f32]) -> f64 {
+    let mut acc = [0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().map(|x| *x as f64).sum::<f64>() + rest.iter().map(|x| *x as f64).sum::<f64>()
+}
+
+fn produce(_rank: usize, (q, n, count, strategy): (Queue<Option<Tensor>>, usize, usize, SharingStrategy)) {
+    set_sharing_strategy(strategy).expect("strategy");
+    for i in 0..count {
+        q.put(Some(fresh(n, i as f32).expect("producer: alloc"))).expect("producer: put");
+    }
+    q.put(None).expect("producer: put");
+}
+
+fn stream(size: usize, count: usize, strategy: SharingStrategy) -> Result<Figures, String> {
+    let n = (size / 4).max(1);
+    let q: Queue<Option<Tensor>> = Queue::with_capacity(4).map_err(err)?;
+    let mut ctx = spawn(produce, (q.clone(), n, count, strategy), 1).map_err(err)?;
+    let mut total = 0.0;
+    let mut got = 0usize;
+    let mut t = q.get().map_err(err)?;
+    let t0 = Instant::now();
+    loop {
+        if let Some(x) = &t {
+            total += sum_f32(x.as_slice::<f32>().map_err(err)?);
+        }
+        drop(t);
+        t = q.get().map_err(err)?;
+        if t.is_none() {
+            break;
+        }
+        got += 1;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    ctx.join(None).map_err(err)?;
+    std::hint::black_box(total);
+    Ok(Figures(vec![("seconds", dt), ("GBps", (size * got) as f64 / dt / 1e9), ("items", got as f64)]))
+}
+
+type BatchArgs = (Queue<Option<Vec<Tensor>>>, usize, usize, usize, SharingStrategy);
+
+fn produce_batches(_rank: usize, (q, n, k, count, strategy): BatchArgs) {
+    set_sharing_strategy(strategy).expect("strategy");
+    for i in 0..count {
+        let b: Vec<Tensor> = (0..k).map(|_| fresh(n, i as f32).expect("producer: alloc")).collect();
+        q.put(Some(b)).expect("producer: put");
+    }
+    q.put(None).expect("producer: put");
+}
+
+fn batch(size: usize, k: usize, count: usize, strategy: SharingStrategy) -> Result<Figures, String> {
+    let n = (size / 4).max(1);
+    let q: Queue<Option<Vec<Tensor>>> = Queue::with_capacity(4).map_err(err)?;
+    let mut ctx = spawn(produce_batches, (q.clone(), n, k, count, strategy), 1).map_err(err)?;
+    let mut got = 0usize;
+    let mut b = q.get().map_err(err)?;
+    let t0 = Instant::now();
+    loop {
+        drop(b);
+        b = q.get().map_err(err)?;
+        match &b {
+            None => break,
+            Some(v) => got += v.len(),
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    ctx.join(None).map_err(err)?;
+    Ok(Figures(vec![
+        ("seconds", dt),
+        ("tensors_per_s", got as f64 / dt),
+        ("messages_per_s", got as f64 / k as f64 / dt),
+    ]))
+}
+
+fn nothing(_rank: usize, _: ()) {}
+
+fn spawn_workers(n: usize) -> Result<Figures, String> {
+    let t0 = Instant::now();
+    let mut ctx = spawn(nothing, (), n).map_err(err)?;
+    ctx.join(None).map_err(err)?;
+    Ok(Figures(vec![("seconds", t0.elapsed().as_secs_f64())]))
+}
+
+/// The JSON line, keys as torch_baseline.py prints them.
+pub fn json_line(w: &Workload, strategy: SharingStrategy, f: &Figures) -> String {
+    let args: Vec<String> =
+        w.args.iter().map(|a| format!("\"{}\"", a.replace('\\', "\\\\").replace('"', "\\\""))).collect();
+    let mut s = format!(
+        "{{\"system\": \"tensorshare {}\", \"workload\": \"{}\", \"args\": [{}], \"strategy\": \"{}\"",
+        env!("CARGO_PKG_VERSION"),
+        w.name,
+        args.join(", "),
+        strategy
+    );
+    for (k, v) in &f.0 {
+        if *k == "items" {
+            s += &format!(", \"{k}\": {}", *v as u64);
+        } else {
+            s += &format!(", \"{k}\": {v}");
+        }
+    }
+    s + "}"
+}
+
+/// One row of the table.
+pub fn table_row(w: &Workload, f: &Figures) -> String {
+    let figures: Vec<String> =
+        f.0.iter()
+            .filter(|(k, _)| *k != "items")
+            .map(|(k, v)| if *v >= 1000.0 { format!("{k} {v:.0}") } else { format!("{k} {v:.4}") })
+            .collect();
+    format!("{:<10} {:<22} {}", w.name, w.args.join(" "), figures.join("  "))
+}
