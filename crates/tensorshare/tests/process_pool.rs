@@ -5,6 +5,8 @@ use tensorshare::{DType, Error, Failure, SharingStrategy, StartMethod, Tensor};
 
 tensorshare::enable_test_workers!();
 
+mod common;
+
 /// torch's _test_pool: workers fill shared buffers with 4 in place and return buffer + 1.
 fn pool_fill(s: SharingStrategy) {
     let mut p = Pool::new(2).unwrap();
@@ -88,6 +90,12 @@ fn die_on_three(x: u32) -> u32 {
 #[test]
 fn a_sigkilled_worker_fails_its_task_is_replaced_and_the_pool_serves_on() {
     for method in [StartMethod::Spawn, StartMethod::Fork, StartMethod::ForkServer] {
+        common::isolated(|_rank, method: StartMethod| sigkilled_worker(method), method);
+    }
+}
+
+fn sigkilled_worker(method: StartMethod) {
+    {
         let mut p = Pool::with_method(2, method).unwrap();
         let results: Vec<_> = p.imap(die_on_three, 0..8u32).collect();
         for (i, r) in results.iter().enumerate() {

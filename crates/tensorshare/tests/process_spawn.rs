@@ -7,6 +7,8 @@ use tensorshare::{start_processes, Failure, ProcessError, Queue, StartMethod};
 
 tensorshare::enable_test_workers!();
 
+mod common;
+
 /// One test per start method from one body.
 macro_rules! each_method {
     ($($name:ident),* $(,)?) => {
@@ -19,7 +21,7 @@ macro_rules! each_method {
                 }
                 #[test]
                 fn fork() {
-                    super::$name(StartMethod::Fork)
+                    crate::common::isolated(|_rank, m: StartMethod| super::$name(m), StartMethod::Fork)
                 }
                 #[test]
                 fn forkserver() {
@@ -73,11 +75,19 @@ fn sigterm_self_job(_rank: usize, _: ()) {
 }
 
 fn exit_123_job(rank: usize, _: ()) {
-    exit_123_or_block(rank, false)
+    exit_123_or_block(rank)
 }
 
-fn exit_123_ignoring_term_job(rank: usize, _: ()) {
-    exit_123_or_block(rank, true)
+/// Rank 1 ignores SIGTERM and says so; only then does rank 0 exit with 123.
+fn exit_123_ignoring_term_job(rank: usize, ready: Queue<()>) {
+    if rank == 0 {
+        ready.get().unwrap();
+    } else {
+        // SAFETY: setting a signal's disposition to ignore, in a worker of this test.
+        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+        ready.put(()).unwrap();
+    }
+    exit_123_or_block(rank)
 }
 
 fn exit_zero_job(_rank: usize, _: ()) {
@@ -171,13 +181,9 @@ fn test_terminate_signal(m: StartMethod) {
     assert_eq!(err.signal_name(), Some("SIGABRT"));
 }
 
-fn exit_123_or_block(rank: usize, ignore_term: bool) -> ! {
+fn exit_123_or_block(rank: usize) -> ! {
     if rank == 0 {
         std::process::exit(123);
-    }
-    if ignore_term {
-        // SAFETY: setting a signal's disposition to ignore, in a worker of this test.
-        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
     }
     loop {
         std::thread::park();
@@ -194,7 +200,8 @@ fn test_terminate_exit(m: StartMethod) {
 /// The other worker ignores SIGTERM: after the grace period it is SIGKILLed, and join still
 /// reports the first failure.
 fn test_terminate_exit_grace(m: StartMethod) {
-    let mut ctx = start_processes(exit_123_ignoring_term_job, (), 2, m).unwrap();
+    let ready: Queue<()> = Queue::new().unwrap();
+    let mut ctx = start_processes(exit_123_ignoring_term_job, ready, 2, m).unwrap();
     let err = ctx.join_with_grace(None, Duration::from_millis(200)).unwrap_err();
     assert_eq!(err.exit_code(), Some(123));
     // Rank 1 ignored SIGTERM, so it was SIGKILLed once the grace period was over.

@@ -69,6 +69,7 @@ impl serde::Serialize for WorkerFd<'_> {
 /// parent hangs up.
 pub(crate) fn serve(sock: OwnedFd, ppid: i32) -> ! {
     die_with_parent(ppid);
+    super::worker::install_panic_hook();
     loop {
         let record = match socket::try_recv(sock.as_fd()) {
             Ok(Received::Record(r)) => r,

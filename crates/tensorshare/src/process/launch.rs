@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::context::{Child, ProcessContext};
 use super::job::{entry, Entry, EntryName, Job};
-use super::worker::{worker_main, ExitKind, INHERITED_FD, WORKER_ENV};
+use super::worker::{install_panic_hook, worker_main, ExitKind, INHERITED_FD, WORKER_ENV};
 use super::{atfork, forkserver};
 use crate::channel::socket::{self, Deadline};
 use crate::{wire, Error, Result};
@@ -24,8 +24,10 @@ pub enum StartMethod {
     Spawn,
     /// `fork()` without exec: fast, and the worker inherits the parent's memory (a shared
     /// tensor made before the fork, globals). If the parent has other threads, only the
-    /// forking thread exists in the child: locks other threads held stay locked there
-    /// (tensorshare's own locks are made safe around fork; the program's are not).
+    /// forking thread exists in the child, and a lock another thread held at the fork stays
+    /// locked there for good: tensorshare's own locks are made safe around fork, but the
+    /// program's are not, nor are the standard library's (stdout and stderr, the
+    /// environment, the panic hook). Fork from a single-threaded parent, or use ForkServer.
     Fork,
     /// A single-threaded server process, started on first use, forks the workers: nearly
     /// as fast as Fork and safe when the parent has threads. Workers inherit the server's
@@ -134,6 +136,7 @@ pub(crate) fn exec_worker(var: &str, fd: OwnedFd) -> Result<rustix::process::Pid
 
 fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
     atfork::register();
+    install_panic_hook();
     let me = rustix::process::getpid().as_raw_nonzero().get();
     // SAFETY: fork has no memory-safety preconditions; in the child only this thread
     // exists, tensorshare's locks were released by the atfork handlers, and the child runs

@@ -82,15 +82,22 @@ pub(crate) fn exit_now(code: i32) -> ! {
 
 thread_local! {
     static LAST_PANIC: RefCell<Option<Report>> = const { RefCell::new(None) };
+    /// Whether this thread runs a job inside `catch`: only then does the hook record.
+    static IN_JOB: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Records the panic's message, location and backtrace for the code that catches it (and
-/// still prints it, as the default hook does).
+/// still prints it, as the default hook does). Installed in the parent before a fork, so
+/// that a forked child never takes the hook's lock for writing (another thread of the
+/// parent may have held it at the fork).
 pub(crate) fn install_panic_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            if !IN_JOB.with(|j| j.get()) {
+                return previous(info);
+            }
             let message = if let Some(s) = info.payload().downcast_ref::<&str>() {
                 s.to_string()
             } else if let Some(s) = info.payload().downcast_ref::<String>() {
@@ -108,7 +115,10 @@ pub(crate) fn install_panic_hook() {
 
 /// Runs `f`, turning a panic into a `Raised` report.
 pub(crate) fn catch(f: impl FnOnce() -> JobResult) -> Report {
-    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+    IN_JOB.with(|j| j.set(true));
+    let r = std::panic::catch_unwind(AssertUnwindSafe(f));
+    IN_JOB.with(|j| j.set(false));
+    match r {
         Ok(Ok(())) => Report::Done,
         Ok(Err(message)) => Report::Raised { message, location: None, backtrace: None },
         Err(_) => LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or(Report::Raised {

@@ -1,0 +1,64 @@
+//! The hot paths, in one process: encoding and decoding a message of 1 and of 100 tensors,
+//! arena allocation and release, the receive-cache hit, an in-process queue round trip.
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use std::hint::black_box;
+use tensorshare::{wire, DType, Queue, SharingStrategy, Storage, Tensor};
+
+fn shared(n: usize) -> Tensor {
+    let mut t = Tensor::empty_shared(&[n], DType::F32).unwrap();
+    t.fill(1.0f32).unwrap();
+    t
+}
+
+fn dup(m: &wire::Encoded) -> Vec<std::os::fd::OwnedFd> {
+    m.fds().iter().map(|f| f.try_clone_to_owned().unwrap()).collect()
+}
+
+fn encode_decode(c: &mut Criterion) {
+    for k in [1usize, 100] {
+        let tensors: Vec<Tensor> = (0..k).map(|_| shared(256)).collect();
+        c.bench_function(&format!("encode {k} shared tensors"), |b| {
+            b.iter(|| black_box(wire::encode(&tensors).unwrap()))
+        });
+        // Decoding a message whose storages this process already holds: the receive
+        // cache's hit path (one lookup per segment and per storage).
+        c.bench_function(&format!("decode {k} tensors (cache hit)"), |b| {
+            b.iter_batched(
+                || {
+                    let m = wire::encode(&tensors).unwrap();
+                    let fds = dup(&m);
+                    (m.to_vec(), fds, m)
+                },
+                |(bytes, fds, m)| {
+                    let v: Vec<Tensor> = wire::decode(&bytes, fds).unwrap();
+                    m.mark_sent();
+                    black_box(v)
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+}
+
+fn arena(c: &mut Criterion) {
+    for size in [1024usize, 1 << 20] {
+        c.bench_function(&format!("arena allocate+release {size} B"), |b| {
+            b.iter(|| black_box(Storage::empty_shared_with(size, SharingStrategy::FileDescriptor).unwrap()))
+        });
+    }
+}
+
+fn queue(c: &mut Criterion) {
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    let t = shared(1024);
+    c.bench_function("queue put+get, 4 KiB shared tensor, one process", |b| {
+        b.iter(|| {
+            q.put(t.clone()).unwrap();
+            black_box(q.get().unwrap())
+        })
+    });
+}
+
+criterion_group!(benches, encode_decode, arena, queue);
+criterion_main!(benches);
