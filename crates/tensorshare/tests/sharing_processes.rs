@@ -31,8 +31,12 @@ each_strategy!(
     test_sharing,
     test_preserve_sharing,
     test_empty_tensor_sharing,
+    test_tensor_sharing_meta,
+    test_empty_tensor_sharing_meta,
     test_variable_sharing,
+    test_leaf_variable_sharing,
     test_parameter_sharing,
+    test_integer_parameter_serialization,
     test_views_alias_in_the_worker,
 );
 
@@ -116,64 +120,87 @@ fn test_preserve_sharing(s: SharingStrategy) {
     assert!(back.0.ptr_eq(x.storage()), "back in the process that made it: the same storage");
 }
 
-/// torch's test_empty_tensor_sharing (and, with meta tensors, test_tensor_sharing_meta and
-/// test_empty_tensor_sharing_meta).
-fn test_empty_tensor_sharing(s: SharingStrategy) {
-    let empty = shared(Tensor::zeros(&[0], DType::F32), s);
-    let empty_i = shared(Tensor::zeros(&[0], DType::I64), s);
-    let meta = Tensor::meta(&[5, 5], DType::F32);
-    let meta_empty = Tensor::meta(&[0], DType::I64);
-    let v = (empty, empty_i, meta, meta_empty);
-    let q: Queue<(Tensor, Tensor, Tensor, Tensor)> = Queue::new().unwrap();
-    let back: Queue<(Tensor, Tensor, Tensor, Tensor)> = Queue::new().unwrap();
-    let mut ctx =
-        spawn(
-            |_rank,
-             (q, back): (
-                Queue<(Tensor, Tensor, Tensor, Tensor)>,
-                Queue<(Tensor, Tensor, Tensor, Tensor)>,
-            )| {
-                back.put(q.get().unwrap()).unwrap();
-            },
-            (q.clone(), back.clone()),
-            1,
-        )
-        .unwrap();
-    q.put(v.clone()).unwrap();
+/// Sends `v` to a worker, which sends it back; returns what came back.
+fn round_trip(v: Vec<Tensor>) -> Vec<Tensor> {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let back: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<Tensor>>)| back.put(q.get().unwrap()).unwrap(),
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    q.put(v).unwrap();
     let r = back.get().unwrap();
     assert_eq!(ctx.join(None), Ok(true));
-    assert!(r.0.equal(&v.0) && r.1.equal(&v.1) && r.2.equal(&v.2) && r.3.equal(&v.3));
-    assert_eq!(r.2.device(), tensorshare::Device::Meta);
-    assert!(r.0.is_shared());
+    r
 }
 
-/// torch's test_variable_sharing and test_leaf_variable_sharing: requires_grad travels,
-/// the worker sees the values and its writes are seen by the parent.
+/// torch's test_empty_tensor_sharing: empty tensors of two dtypes.
+fn test_empty_tensor_sharing(s: SharingStrategy) {
+    let v = vec![shared(Tensor::zeros(&[0], DType::F32), s), shared(Tensor::zeros(&[0], DType::I64), s)];
+    let r = round_trip(v.clone());
+    assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
+    assert!(r[0].is_shared());
+}
+
+/// torch's test_tensor_sharing_meta: a meta tensor keeps its shape, dtype and device.
+fn test_tensor_sharing_meta(_s: SharingStrategy) {
+    let v = vec![Tensor::meta(&[5, 5], DType::F32)];
+    let r = round_trip(v.clone());
+    assert!(r[0].equal(&v[0]));
+    assert_eq!(r[0].device(), tensorshare::Device::Meta);
+    assert_eq!(r[0].shape(), &[5, 5]);
+}
+
+/// torch's test_empty_tensor_sharing_meta.
+fn test_empty_tensor_sharing_meta(_s: SharingStrategy) {
+    let v = vec![Tensor::meta(&[0], DType::F32), Tensor::meta(&[0], DType::I64)];
+    let r = round_trip(v.clone());
+    assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
+    assert_eq!(r[1].dtype(), DType::I64);
+}
+
+/// torch's test_variable_sharing: requires_grad travels, the worker sees the values and
+/// its writes are seen by the parent.
 fn test_variable_sharing(s: SharingStrategy) {
     for requires_grad in [true, false] {
         let mut var = shared(Tensor::from_vec((1..=25).map(|v| v as f32).collect(), &[5, 5]).unwrap(), s);
         var.set_requires_grad(requires_grad).unwrap();
-        let q: Queue<Tensor> = Queue::new().unwrap();
-        q.put(var.clone()).unwrap();
-        let mut ctx = spawn(
-            |_rank, (q, requires_grad): (Queue<Tensor>, bool)| {
-                let mut v = q.get().unwrap();
-                assert_eq!(v.requires_grad(), requires_grad);
-                let expected: Vec<f32> = (1..=25).map(|v| v as f32).collect();
-                assert_eq!(v.to_vec::<f32>().unwrap(), expected);
-                v.as_mut_slice::<f32>().unwrap()[0] = -1.0;
-            },
-            (q.clone(), requires_grad),
-            1,
-        )
-        .unwrap();
-        assert_eq!(ctx.join(None), Ok(true));
-        assert_eq!(var.to_vec::<f32>().unwrap()[0], -1.0);
+        autograd_sharing(var, requires_grad);
     }
 }
 
-/// torch's test_parameter_sharing and test_integer_parameter_serialization: a parameter
-/// stays a parameter, float or integer.
+/// torch's test_leaf_variable_sharing: the same with a leaf (a parameter).
+fn test_leaf_variable_sharing(s: SharingStrategy) {
+    let var = shared(Tensor::from_vec((1..=25).map(|v| v as f32).collect(), &[5, 5]).unwrap(), s);
+    let param = var.into_parameter();
+    assert!(param.requires_grad());
+    autograd_sharing(param, true);
+}
+
+/// torch's _test_autograd_sharing.
+fn autograd_sharing(var: Tensor, requires_grad: bool) {
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    q.put(var.clone()).unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, requires_grad): (Queue<Tensor>, bool)| {
+            let mut v = q.get().unwrap();
+            assert_eq!(v.requires_grad(), requires_grad);
+            let expected: Vec<f32> = (1..=25).map(|v| v as f32).collect();
+            assert_eq!(v.to_vec::<f32>().unwrap(), expected);
+            v.as_mut_slice::<f32>().unwrap()[0] = -1.0;
+        },
+        (q.clone(), requires_grad),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(var.to_vec::<f32>().unwrap()[0], -1.0);
+}
+
+/// torch's test_parameter_sharing (with an integer parameter too, as
+/// test_integer_parameter_serialization): a parameter stays a parameter.
 fn test_parameter_sharing(s: SharingStrategy) {
     let p = shared(Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap(), s).into_parameter();
     let ip = Tensor::from_vec(vec![1i64, 2], &[2]).unwrap().into_parameter();
@@ -200,6 +227,23 @@ fn test_parameter_sharing(s: SharingStrategy) {
     assert!(rp.storage().ptr_eq(p.storage()));
     assert_eq!(rip.kind(), TensorKind::Parameter);
     assert_eq!(rip.to_vec::<i64>().unwrap(), vec![1, 2]);
+}
+
+/// torch's test_integer_parameter_serialization: an integer parameter (which cannot
+/// require gradients) travels to a worker, which checks it.
+fn test_integer_parameter_serialization(s: SharingStrategy) {
+    let ip = shared(Tensor::from_vec(vec![0i64], &[1]).unwrap(), s).into_parameter();
+    let mut ctx = spawn(
+        |_rank, ip: Tensor| {
+            assert_eq!(ip.kind(), TensorKind::Parameter);
+            assert!(!ip.requires_grad());
+            assert_eq!(ip.to_vec::<i64>().unwrap(), vec![0]);
+        },
+        ip,
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
 }
 
 /// Views made in the worker from a received tensor write the parent's memory.

@@ -66,6 +66,14 @@ pub const WORKER_ARGS: [&str; 5] =
 
 /// Runs `job(rank, args)` for every rank in `0..nprocs`, each in its own process started
 /// with [`StartMethod::Spawn`]. Wait for them with [`ProcessContext::join`].
+///
+/// The job runs in another process, so a closure may not capture variables (send them in
+/// `args`, or use [`closure!`](crate::closure)); one that does is a compile-time error:
+///
+/// ```compile_fail,E0080
+/// let offset = 3usize;
+/// let ctx = tensorshare::spawn(move |rank, _: ()| assert!(rank + offset > 0), (), 1);
+/// ```
 pub fn spawn<J, A>(job: J, args: A, nprocs: usize) -> Result<ProcessContext>
 where
     J: Job<A>,

@@ -1,0 +1,79 @@
+//! The `tensorshare` command as a user runs it.
+
+use std::process::Command;
+
+fn tensorshare(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tensorshare"));
+    cmd.args(args).env_remove("TENSORSHARE_SHARING_STRATEGY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run tensorshare");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn info_shows_the_strategy_the_environment_chose() {
+    let (ok, out, _) = tensorshare(&["info"], &[]);
+    assert!(ok);
+    assert!(out.contains("file_descriptor (current)"), "{out}");
+    assert!(out.contains("descriptor limit"), "{out}");
+    let (ok, out, _) = tensorshare(&["info"], &[("TENSORSHARE_SHARING_STRATEGY", "file_system")]);
+    assert!(ok);
+    assert!(out.contains("file_system (current)"), "{out}");
+    let (ok, out, err) = tensorshare(&["info"], &[("TENSORSHARE_SHARING_STRATEGY", "bogus")]);
+    assert!(ok);
+    assert!(out.contains("file_descriptor (current)"), "{out}");
+    assert!(err.contains("ignoring TENSORSHARE_SHARING_STRATEGY"), "{err}");
+}
+
+#[test]
+fn bench_prints_the_keys_of_the_torch_baseline() {
+    let (ok, out, err) = tensorshare(&["bench", "--json", "spawn", "2"], &[]);
+    assert!(ok, "{err}");
+    for key in [
+        "\"system\": \"tensorshare",
+        "\"workload\": \"spawn\"",
+        "\"args\": [\"2\"]",
+        "\"strategy\": \"file_descriptor\"",
+        "\"seconds\": ",
+    ] {
+        assert!(out.contains(key), "{key} missing in {out}");
+    }
+    let (ok, out, err) =
+        tensorshare(&["bench", "--json", "--strategy", "file_system", "pingpong", "4096", "20", "same"], &[]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("\"median_us\": ") && out.contains("\"p99_us\": ") && out.contains("file_system"),
+        "{out}"
+    );
+    let (ok, out, err) = tensorshare(&["bench", "batch", "1024", "10", "5"], &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains("tensors_per_s"), "{out}");
+}
+
+#[test]
+fn bench_rejects_bad_workloads_with_a_message() {
+    let (ok, _, err) = tensorshare(&["bench", "pingpong", "4096", "10", "sideways"], &[]);
+    assert!(!ok);
+    assert!(err.contains("fresh or same"), "{err}");
+    let (ok, _, err) = tensorshare(&["bench", "teleport"], &[]);
+    assert!(!ok);
+    assert!(err.contains("unknown workload"), "{err}");
+}
+
+#[test]
+fn demo_checks_every_batch_both_ways() {
+    let (ok, out, err) =
+        tensorshare(&["demo", "--workers", "2", "--batches", "12", "--batch-size", "4", "--side", "16"], &[]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("every batch checked: 12 of 12 through shared memory, 12 through the pipe"),
+        "{out}"
+    );
+    assert!(out.contains("batches/s") && out.contains("latency p99"), "{out}");
+}
