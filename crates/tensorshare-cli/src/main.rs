@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod info;
+mod shm;
 
 use clap::{Parser, Subcommand};
 use tensorshare::SharingStrategy;
@@ -35,6 +36,12 @@ enum Command {
         #[arg(long, default_value = "file_descriptor")]
         strategy: SharingStrategy,
     },
+    /// Named shared-memory segments (file_system strategy): list them, or remove those whose
+    /// processes are all gone.
+    Shm {
+        #[command(subcommand)]
+        action: ShmAction,
+    },
     /// Show the sharing strategies, the descriptor limit and the free shared memory.
     Info,
     /// Run the workloads of torch_baseline.py: pingpong SIZE ROUNDS fresh|same, stream SIZE
@@ -54,12 +61,26 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum ShmAction {
+    /// List this user's segments: name, size, creating pid, whether their group is alive.
+    Ls,
+    /// Remove the segments whose group has no live process.
+    Gc {
+        /// Show what would be removed, remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
 fn main() {
     // A worker started by this program runs its job here and exits.
     tensorshare::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info::run().map_err(|e| e.to_string()),
+        Command::Shm { action: ShmAction::Ls } => shm::ls(),
+        Command::Shm { action: ShmAction::Gc { dry_run } } => shm::gc(dry_run),
         Command::Demo { workers, batches, batch_size, side, strategy } => {
             let workers =
                 workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));

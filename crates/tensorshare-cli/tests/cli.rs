@@ -77,3 +77,46 @@ fn demo_checks_every_batch_both_ways() {
     );
     assert!(out.contains("batches/s") && out.contains("latency p99"), "{out}");
 }
+
+/// `shm ls` and `shm gc` on a planted segment of a dead group, beside a live group's
+/// segment that gc must leave alone.
+#[test]
+fn shm_ls_and_gc_remove_only_dead_groups() {
+    use tensorshare::{DType, SharingStrategy, Tensor};
+    let live = Tensor::empty_shared_with(&[1024], DType::F32, SharingStrategy::FileSystem).unwrap();
+    let live_name = live.storage().segment_name().unwrap();
+    // A root pid with no process: above pid_max, or not in /proc.
+    let dead = (0..1000)
+        .map(|i| 4_194_000 - i)
+        .find(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+        .unwrap();
+    let planted = format!("tensorshare_{dead}_{dead}_00000000deadbeef");
+    let dir = tensorshare::shm::shm_dir();
+    std::fs::write(dir.join(&planted), vec![0u8; 4096]).unwrap();
+
+    let (ok, out, err) = tensorshare(&["shm", "ls"], &[]);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.contains(&planted)).unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("dead") && line.contains(&dead.to_string()), "{line}");
+    let live_line = out.lines().find(|l| l.contains(&live_name)).unwrap_or_else(|| panic!("{out}"));
+    assert!(live_line.contains("alive"), "{live_line}");
+
+    let (ok, out, _) = tensorshare(&["shm", "gc", "--dry-run"], &[]);
+    assert!(ok);
+    assert!(out.contains(&format!("would remove {planted}")), "{out}");
+    assert!(dir.join(&planted).exists(), "--dry-run removes nothing");
+
+    let (ok, out, _) = tensorshare(&["shm", "gc"], &[]);
+    assert!(ok);
+    assert!(out.contains(&format!("removed {planted}")), "{out}");
+    assert!(!dir.join(&planted).exists());
+    assert!(dir.join(&live_name).exists(), "a live group's segment stays");
+    assert_eq!(live.to_vec::<f32>().unwrap().len(), 1024);
+}
+
+#[test]
+fn shm_commands_fail_with_a_message_on_a_missing_directory() {
+    let (ok, _, err) = tensorshare(&["shm", "ls"], &[("TENSORSHARE_SHM_DIR", "/nonexistent/tensorshare")]);
+    assert!(!ok);
+    assert!(err.contains("/nonexistent/tensorshare"), "{err}");
+}

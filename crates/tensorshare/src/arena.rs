@@ -378,6 +378,8 @@ fn allocate_large(pool: &mut Pool, len: usize, strategy: SharingStrategy) -> Res
 /// Lets go of every arena of this process whose slots are all free (their memory is
 /// returned once no other process maps them). Returns how many were let go.
 pub fn trim() -> usize {
+    // Arenas the receive cache keeps mapped for speed go too.
+    crate::wire::release_cached_mappings();
     let mut n = 0;
     for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
         let mut pool = pool(strategy).lock().unwrap_or_else(|p| p.into_inner());

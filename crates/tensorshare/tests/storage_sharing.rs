@@ -85,6 +85,9 @@ fn an_impossible_memfd_request_is_out_of_shared_memory_not_a_crash() {
 /// already shared stays readable, and nothing is left in the filesystem.
 #[test]
 fn a_full_shm_filesystem_gives_out_of_shared_memory() {
+    // The process's cleanup group lives in the real /dev/shm: found it before one thread
+    // moves to its own mount namespace.
+    tensorshare::shm::group::ensure().unwrap();
     let outcome = std::thread::spawn(|| -> Result<(), String> {
         use rustix::mount::{mount, mount_change, MountFlags, MountPropagationFlags};
         use rustix::thread::{unshare_unsafe, UnshareFlags};

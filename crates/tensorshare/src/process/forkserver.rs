@@ -70,6 +70,8 @@ impl serde::Serialize for WorkerFd<'_> {
 pub(crate) fn serve(sock: OwnedFd, ppid: i32) -> ! {
     die_with_parent(ppid);
     super::worker::install_panic_hook();
+    // Workers forked here share the server's membership of the cleanup group.
+    let _ = crate::shm::group::ensure();
     loop {
         let record = match socket::try_recv(sock.as_fd()) {
             Ok(Received::Record(r)) => r,

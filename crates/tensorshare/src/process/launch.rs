@@ -89,6 +89,9 @@ where
     A: Serialize + DeserializeOwned,
 {
     let name = EntryName::of(entry::<J, A> as Entry);
+    // Workers belong to this process's cleanup group (see `shm::group`), whatever start
+    // method makes them: a forked worker shares the group lock's open file.
+    crate::shm::group::ensure()?;
     let mut ctx = ProcessContext::new(Vec::with_capacity(nprocs));
     for rank in 0..nprocs {
         let (ours, theirs) = socket::pair()?;
@@ -113,14 +116,24 @@ pub(crate) fn start(job: OwnedFd, method: StartMethod) -> Result<rustix::process
     }
 }
 
-/// Re-executes this binary with `fd` at descriptor 3 and `var` naming it.
+/// Re-executes this binary as a worker (or fork server) of this process's cleanup group,
+/// with `fd` at descriptor 3 and `var` naming it.
 pub(crate) fn exec_worker(var: &str, fd: OwnedFd) -> Result<rustix::process::Pid> {
+    let root = crate::shm::group::ensure()?;
+    exec_helper(var, fd, &[(crate::shm::group::GROUP_ENV, root.to_string())])
+}
+
+/// Re-executes this binary with `fd` at descriptor 3, `var` naming it, and `env` set.
+pub(crate) fn exec_helper(var: &str, fd: OwnedFd, env: &[(&str, String)]) -> Result<rustix::process::Pid> {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let mut cmd = Command::new("/proc/self/exe");
     if let Some(arg0) = std::env::args_os().next() {
         cmd.arg0(arg0);
     }
     cmd.args(WORKER_ARGS).env(var, format!("{INHERITED_FD}:{me}"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     let raw = fd.as_raw_fd();
     // SAFETY: the closure runs in the child between fork and exec and only calls dup2 and
     // fcntl, which are async-signal-safe; `raw` stays open in the parent until spawn returns.

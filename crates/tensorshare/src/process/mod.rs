@@ -25,6 +25,9 @@ pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 
 pub use pool::{Pool, Tasks};
 
+pub(crate) use launch::exec_helper;
+pub(crate) use worker::exit_now;
+
 /// The first line of `main`. In a worker it runs the worker's job and exits the process;
 /// everywhere else it returns at once.
 ///

@@ -141,6 +141,12 @@ pub(crate) fn send_report(job: &OwnedFd, report: &Report) {
 pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
     die_with_parent(ppid);
     install_panic_hook();
+    if exit == ExitKind::Normal {
+        // Join the parent's cleanup group (a forked worker shares its lock already).
+        if let Err(e) = crate::shm::group::ensure() {
+            eprintln!("tensorshare: worker {}: {e}", std::process::id());
+        }
+    }
     let report = match run_job(&job) {
         Ok(report) => report,
         Err(reason) => Report::Lost { reason },

@@ -4,8 +4,10 @@
 //!
 //! Everything here is Linux. A macOS backend (file_system only) would replace this module.
 
+pub mod group;
 mod limits;
 mod named;
+mod tools;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
@@ -15,7 +17,8 @@ use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 
 pub use limits::{available_bytes, shm_dir, SHM_DIR_ENV};
-pub use named::{is_valid_name, unlink as unlink_name, NAME_PREFIX};
+pub use named::{is_valid_name, parse_name, unlink as unlink_name, NAME_PREFIX};
+pub use tools::{gc, list, SegmentInfo};
 
 use crate::{Error, Result, SharingStrategy};
 

@@ -1,5 +1,6 @@
-//! Named segments (file_system strategy): files `tensorshare_<pid>_<random>` in the
-//! shared-memory directory, created exclusively with mode 0600.
+//! Named segments (file_system strategy): files `tensorshare_<root>_<pid>_<random>` in the
+//! shared-memory directory (`root`: the cleanup group's founder, see `group`; `pid`: the
+//! creating process), created exclusively with mode 0600.
 
 use std::os::fd::OwnedFd;
 
@@ -20,12 +21,23 @@ pub fn is_valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
+/// The parts of a segment's name: (group root, creating pid), or None for the group's lock
+/// file and foreign names.
+pub fn parse_name(name: &str) -> Option<(i32, i32)> {
+    let mut parts = name.strip_prefix(NAME_PREFIX)?.split('_');
+    let root = parts.next()?.parse().ok()?;
+    let creator = parts.next()?.parse().ok()?;
+    let random = parts.next()?;
+    (random.len() == 16 && parts.next().is_none()).then_some((root, creator))
+}
+
 pub(super) fn create_exclusive() -> Result<(OwnedFd, String)> {
+    let root = super::group::ensure()?;
     let pid = rustix::process::getpid().as_raw_nonzero();
     for _ in 0..16 {
         let mut rnd = [0u8; 8];
         crate::util::random_bytes(&mut rnd);
-        let name = format!("{NAME_PREFIX}{pid}_{:016x}", u64::from_le_bytes(rnd));
+        let name = format!("{NAME_PREFIX}{root}_{pid}_{:016x}", u64::from_le_bytes(rnd));
         let path = shm_dir().join(&name);
         match rustix::fs::open(
             &path,

@@ -1,0 +1,205 @@
+//! The file_system strategy leaks nothing: torch's test_fs and leak checker, in-flight
+//! messages that outlive a killed producer, and SIGKILL of producers and consumers
+//! mid-stream. Each case runs in a helper process that founds its own cleanup group, so its
+//! files are told apart from those of the tests running beside it.
+
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+
+use serde::{Deserialize, Serialize};
+use tensorshare::shm::{self, group};
+use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, Storage, Tensor};
+
+tensorshare::enable_test_workers!();
+
+/// The files of the group of `root`: segments (with a creator) and the lock.
+fn files_of(root: i32) -> Vec<shm::SegmentInfo> {
+    shm::list().unwrap().into_iter().filter(|s| s.root == root).collect()
+}
+
+fn pidfd(pid: i32) -> OwnedFd {
+    rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .expect("the cleaner is running")
+}
+
+/// The leak checker: once the helper that founded group `root` is gone, its cleaner ends
+/// within 5 seconds, and no file of the group is left.
+fn assert_cleaned(root: i32, cleaner: &OwnedFd) {
+    let mut p = [rustix::event::PollFd::new(cleaner, rustix::event::PollFlags::IN)];
+    let five = rustix::event::Timespec { tv_sec: 5, tv_nsec: 0 };
+    assert_eq!(rustix::event::poll(&mut p, Some(&five)).unwrap(), 1, "the cleaner did not finish in 5 s");
+    let left = files_of(root);
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Runs `body` in a helper that founds a group; returns the group's root and its cleaner.
+fn in_new_group<A, J>(body: J, args: A) -> (i32, OwnedFd)
+where
+    A: Serialize + serde::de::DeserializeOwned,
+    J: tensorshare::Job<(A, Queue<(i32, i32)>)>,
+{
+    let status: Queue<(i32, i32)> = Queue::new().unwrap();
+    let mut ctx = spawn(body, (args, status.clone()), 1).unwrap();
+    let (root, cleaner) = status.get().unwrap();
+    let cleaner = pidfd(cleaner);
+    if let Err(e) = ctx.join(None) {
+        panic!("{e:#}");
+    }
+    (root, cleaner)
+}
+
+fn found_group(status: &Queue<(i32, i32)>) -> i32 {
+    let root = group::new_group().unwrap();
+    status.put((root, group::cleaner_pid().unwrap())).unwrap();
+    set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    root
+}
+
+/// torch's test_fs: a named segment exists while a storage is in flight, and is gone once
+/// it is received, dropped and its arena let go; repeated, and nothing left at the end.
+fn test_fs_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    let root = found_group(&status);
+    let segments = || files_of(root).into_iter().filter(|s| s.creator.is_some()).count();
+    for _ in 0..5 {
+        assert_eq!(segments(), 0);
+        let q: Queue<Storage> = Queue::new().unwrap();
+        q.put(Storage::new(32)).unwrap(); // torch: DoubleStorage(4)
+        assert!(segments() > 0, "a segment exists while the storage is in flight");
+        drop(q.get().unwrap());
+        tensorshare::trim_arenas();
+        assert_eq!(segments(), 0, "gone once received, dropped and its arena let go");
+    }
+}
+
+#[test]
+fn test_fs() {
+    let (root, cleaner) = in_new_group(test_fs_body, ());
+    assert_cleaned(root, &cleaner);
+}
+
+fn send_ten_then_wait(_rank: usize, (q, ready): (Queue<Tensor>, Queue<()>)) {
+    set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    for i in 0..10 {
+        let mut t = Tensor::empty_shared(&[256], DType::F32).unwrap();
+        t.fill(i as f32).unwrap();
+        q.put(t).unwrap();
+    }
+    ready.put(()).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// While any process of the group lives, messages in flight stay readable: the producer is
+/// SIGKILLed with ten messages unread, and all ten are read afterwards.
+fn in_flight_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    let root = found_group(&status);
+    let q: Queue<Tensor> = Queue::with_capacity(16).unwrap();
+    let ready: Queue<()> = Queue::new().unwrap();
+    let mut p = spawn(send_ten_then_wait, (q.clone(), ready.clone()), 1).unwrap();
+    ready.get().unwrap();
+    assert!(
+        files_of(root).iter().any(|s| s.creator == Some(p.pids()[0])),
+        "the producer made named segments"
+    );
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(p.pids()[0]).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    assert_eq!(p.join(None).unwrap_err().signal_name(), Some("SIGKILL"));
+    for i in 0..10 {
+        let t = q.get().unwrap();
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == i as f32));
+    }
+}
+
+#[test]
+fn in_flight_messages_outlive_a_sigkilled_producer() {
+    let (root, cleaner) = in_new_group(in_flight_body, ());
+    assert_cleaned(root, &cleaner);
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+enum Kill {
+    Producer,
+    Consumer,
+    Both,
+}
+
+fn produce_forever(_rank: usize, q: Queue<Tensor>) {
+    set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    for i in 0.. {
+        let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+        t.fill(i as f32).unwrap();
+        if q.put(t).is_err() {
+            return; // the consumer is gone
+        }
+    }
+}
+
+fn consume_forever(_rank: usize, (q, ready): (Queue<Tensor>, Queue<()>)) {
+    let mut held = VecDeque::new();
+    let mut n = 0;
+    while let Ok(t) = q.get() {
+        held.push_back(t); // hold some, as a training loop holds its batches
+        if held.len() > 8 {
+            held.pop_front();
+        }
+        n += 1;
+        if n == 3 {
+            ready.put(()).unwrap();
+        }
+    }
+}
+
+fn crash_body(_rank: usize, (kill, status): (Kill, Queue<(i32, i32)>)) {
+    let root = found_group(&status);
+    let q: Queue<Tensor> = Queue::with_capacity(4).unwrap();
+    let ready: Queue<()> = Queue::new().unwrap();
+    let mut p = spawn(produce_forever, q.clone(), 1).unwrap();
+    let mut c = spawn(consume_forever, (q.clone(), ready.clone()), 1).unwrap();
+    drop(q); // the workers alone hold the queue: a survivor sees its peer's death
+    ready.get().unwrap();
+    assert!(files_of(root).iter().any(|s| s.creator.is_some()), "named segments are in use");
+    let victims = match kill {
+        Kill::Producer => vec![p.pids()[0]],
+        Kill::Consumer => vec![c.pids()[0]],
+        Kill::Both => vec![p.pids()[0], c.pids()[0]],
+    };
+    for pid in victims {
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+    }
+    // The survivor ends by itself (Disconnected); the killed ones report SIGKILL.
+    let _ = p.join(None);
+    let _ = c.join(None);
+}
+
+fn crash(kill: Kill) {
+    for _ in 0..20 {
+        let (root, cleaner) = in_new_group(crash_body, kill);
+        assert_cleaned(root, &cleaner);
+    }
+}
+
+#[test]
+fn sigkill_of_the_producer_mid_stream_leaves_nothing() {
+    crash(Kill::Producer);
+}
+
+#[test]
+fn sigkill_of_the_consumer_mid_stream_leaves_nothing() {
+    crash(Kill::Consumer);
+}
+
+#[test]
+fn sigkill_of_both_mid_stream_leaves_nothing() {
+    crash(Kill::Both);
+}
