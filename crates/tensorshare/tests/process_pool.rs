@@ -5,6 +5,7 @@ use tensorshare::{DType, Error, Failure, SharingStrategy, StartMethod, Tensor};
 
 tensorshare::enable_test_workers!();
 
+#[macro_use]
 mod common;
 
 /// torch's _test_pool: workers fill shared buffers with 4 in place and return buffer + 1.
@@ -38,12 +39,12 @@ fn pool_fill(s: SharingStrategy) {
 
 #[test]
 fn test_fd_pool() {
-    pool_fill(SharingStrategy::FileDescriptor);
+    checked!(pool_fill, SharingStrategy::FileDescriptor, SharingStrategy);
 }
 
 #[test]
 fn test_fs_pool() {
-    pool_fill(SharingStrategy::FileSystem);
+    checked!(pool_fill, SharingStrategy::FileSystem, SharingStrategy);
 }
 
 #[test]

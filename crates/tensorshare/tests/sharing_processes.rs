@@ -9,6 +9,11 @@ use tensorshare::{
 
 tensorshare::enable_test_workers!();
 
+#[macro_use]
+mod common;
+
+/// One test per strategy from one body, each in a helper process of its own under the
+/// leak checker (no segment file left, no descriptor leaked).
 macro_rules! each_strategy {
     ($($name:ident),* $(,)?) => {
         $(
@@ -16,11 +21,11 @@ macro_rules! each_strategy {
                 use tensorshare::SharingStrategy;
                 #[test]
                 fn file_descriptor() {
-                    super::$name(SharingStrategy::FileDescriptor)
+                    $crate::checked!(super::$name, SharingStrategy::FileDescriptor, SharingStrategy);
                 }
                 #[test]
                 fn file_system() {
-                    super::$name(SharingStrategy::FileSystem)
+                    $crate::checked!(super::$name, SharingStrategy::FileSystem, SharingStrategy);
                 }
             }
         )*

@@ -1,4 +1,5 @@
-//! Test support shared by the test files that start workers.
+//! Test support shared by the test files that start workers. Each test file uses a part.
+#![allow(dead_code)]
 
 use tensorshare::{start_processes, Job, StartMethod};
 
@@ -11,6 +12,76 @@ use tensorshare::{start_processes, Job, StartMethod};
 /// tests fork only from a process that has no other busy threads, as programs should.
 pub fn isolated<J: Job<StartMethod>>(body: J, method: StartMethod) {
     let mut ctx = start_processes(body, method, 1, StartMethod::Spawn).expect("start the helper process");
+    if let Err(e) = ctx.join(None) {
+        panic!("{e:#}");
+    }
+}
+
+/// How many times each sharing test body runs: `TENSORSHARE_TEST_REPEATS` (torch runs
+/// them 30 times; CI once, to stay within its time).
+pub fn repeats() -> usize {
+    std::env::var("TENSORSHARE_TEST_REPEATS").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// torch's leak checker, made strict: built at the start of a test body (in a helper
+/// process of its own, see [`checked`]), it founds a fresh cleanup group and counts this
+/// process's descriptors; [`LeakChecker::check`] at the end asserts that no segment file
+/// of the group is left and that the descriptor count is back where it was.
+pub struct LeakChecker {
+    root: i32,
+    fds: usize,
+}
+
+impl LeakChecker {
+    pub fn new() -> LeakChecker {
+        let root = tensorshare::shm::group::new_group().expect("found a cleanup group");
+        tensorshare::trim_arenas();
+        LeakChecker { root, fds: open_fds() }
+    }
+
+    pub fn check(self) {
+        // Arenas kept for reuse and mappings kept for speed are let go first: what stays
+        // after that is a leak.
+        tensorshare::trim_arenas();
+        let left: Vec<_> = tensorshare::shm::list()
+            .expect("list segments")
+            .into_iter()
+            .filter(|s| s.root == self.root && s.creator.is_some())
+            .collect();
+        assert!(left.is_empty(), "shared-memory files left behind: {left:?}");
+        assert_eq!(open_fds(), self.fds, "descriptors leaked by the test");
+    }
+}
+
+/// Runs `body(arg)` in a helper process of its own, between a [`LeakChecker`]'s start and
+/// check, so that the counts belong to this test alone.
+#[macro_export]
+macro_rules! checked {
+    ($body:path, $arg:expr, $argty:ty) => {
+        $crate::common::isolated_with(
+            |_rank, a: $argty| {
+                let lc = $crate::common::LeakChecker::new();
+                for _ in 0..$crate::common::repeats() {
+                    $body(a);
+                }
+                lc.check();
+            },
+            $arg,
+        )
+    };
+}
+
+/// Runs a job in a helper process (Spawn) and fails with its error.
+pub fn isolated_with<A, J>(body: J, arg: A)
+where
+    A: serde::Serialize + serde::de::DeserializeOwned,
+    J: Job<A>,
+{
+    let mut ctx = start_processes(body, arg, 1, StartMethod::Spawn).expect("start the helper process");
     if let Err(e) = ctx.join(None) {
         panic!("{e:#}");
     }
