@@ -98,26 +98,27 @@ impl Core {
         let this = self.clone();
         let alive = move || this.control.others_alive() || Arc::strong_count(&this) > 2;
         let record = socket::recv(self.rx.as_fd(), deadline, &alive)?;
-        self.control.release();
-        wire::decode(&record.bytes, record.fds)
+        self.take(record)
     }
 
     fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
-        match socket::try_recv(self.rx.as_fd())? {
-            socket::Received::Record(r) => {
-                self.control.release();
-                wire::decode(&r.bytes, r.fds).map(Some)
-            }
-            socket::Received::Closed => Err(Error::Disconnected),
-            socket::Received::Empty if self.others() => Ok(None),
+        let record = match socket::try_recv(self.rx.as_fd())? {
+            socket::Received::Record(r) => r,
+            socket::Received::Closed => return Err(Error::Disconnected),
+            socket::Received::Empty if self.others() => return Ok(None),
+            // Alone: nothing more can come, but a record may have arrived just now.
             socket::Received::Empty => match socket::try_recv(self.rx.as_fd())? {
-                socket::Received::Record(r) => {
-                    self.control.release();
-                    wire::decode(&r.bytes, r.fds).map(Some)
-                }
-                _ => Err(Error::Disconnected),
+                socket::Received::Record(r) => r,
+                _ => return Err(Error::Disconnected),
             },
-        }
+        };
+        self.take(record).map(Some)
+    }
+
+    /// A record taken off the queue: its place is free again, and it becomes a value.
+    fn take<T: DeserializeOwned>(&self, record: socket::Record) -> Result<T> {
+        self.control.release();
+        wire::decode(&record.bytes, record.fds)
     }
 }
 

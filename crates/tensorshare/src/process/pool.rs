@@ -186,9 +186,7 @@ impl Pool {
         U: Serialize + DeserializeOwned,
         I: IntoIterator<Item = T>,
     {
-        let () = ZeroSized::<F>::OK;
-        let _ = f;
-        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), true)
+        self.tasks(f, items, true)
     }
 
     /// Like [`Pool::imap`], but each result comes out as soon as it is done.
@@ -199,9 +197,19 @@ impl Pool {
         U: Serialize + DeserializeOwned,
         I: IntoIterator<Item = T>,
     {
+        self.tasks(f, items, false)
+    }
+
+    fn tasks<F, T, U, I>(&mut self, f: F, items: I, ordered: bool) -> Tasks<'_, T, U, I::IntoIter>
+    where
+        F: Fn(T) -> U + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned,
+        U: Serialize + DeserializeOwned,
+        I: IntoIterator<Item = T>,
+    {
         let () = ZeroSized::<F>::OK;
         let _ = f;
-        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), false)
+        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), ordered)
     }
 }
 
