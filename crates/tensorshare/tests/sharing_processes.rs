@@ -412,3 +412,29 @@ fn a_malformed_message_from_another_process_is_invalid_not_a_crash() {
     let err = wire::decode::<Tensor>(&bytes, fds).unwrap_err();
     assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
 }
+
+/// Endpoints travel inside messages: a worker receives a queue and a pipe end through a
+/// queue, and answers through them.
+#[test]
+fn queues_and_pipes_travel_inside_messages() {
+    type Reply = (Queue<String>, tensorshare::Connection<u64>);
+    let inbox: Queue<Reply> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, inbox: Queue<Reply>| {
+            let (answers, conn) = inbox.get().unwrap();
+            answers.put("hello through a queue".into()).unwrap();
+            conn.send(&42).unwrap();
+        },
+        inbox.clone(),
+        1,
+    )
+    .unwrap();
+    let answers: Queue<String> = Queue::new().unwrap();
+    let (mine, theirs) = tensorshare::pipe::<u64>().unwrap();
+    inbox.put((answers.clone(), theirs)).unwrap();
+    assert_eq!(answers.get().unwrap(), "hello through a queue");
+    assert_eq!(mine.recv().unwrap(), 42);
+    assert_eq!(ctx.join(None), Ok(true));
+    // The worker is gone and we sent our only copy of the other end: hang-up.
+    assert!(matches!(mine.recv(), Err(Error::Disconnected)));
+}
