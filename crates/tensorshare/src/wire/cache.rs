@@ -17,14 +17,48 @@ const FIRST_LIMIT: usize = 128;
 /// receiving from one arena does not map and unmap it for every message.
 const KEEP_MAPPED: usize = 16;
 
+/// A multiplicative hash (FxHash's): the keys are device/inode numbers, names this
+/// process made or checked, and slot numbers, so SipHash's flooding resistance buys
+/// nothing on this per-message path.
+#[derive(Default, Clone, Copy)]
+struct FastHasher(u64);
+
+impl std::hash::Hasher for FastHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n.into());
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+
 struct WeakMap<K, V> {
-    map: HashMap<K, Weak<V>>,
+    map: FastMap<K, Weak<V>>,
     limit: usize,
 }
 
 impl<K: Eq + Hash, V> WeakMap<K, V> {
     fn new() -> Self {
-        WeakMap { map: HashMap::new(), limit: FIRST_LIMIT }
+        WeakMap { map: FastMap::default(), limit: FIRST_LIMIT }
     }
 
     fn get(&self, k: &K) -> Option<Arc<V>> {

@@ -50,8 +50,18 @@ struct Header {
 
 #[derive(Serialize, Deserialize, Debug)]
 enum SegmentDesc {
-    Fd { fd: u32 },
-    Named { name: String },
+    /// A memfd, with the identity the sender sees (device, inode): a receiver that has it
+    /// mapped already closes the descriptor unexamined. A false claim can only name an
+    /// arena the receiver maps anyway (a live mapping keeps its inode from reuse), so it
+    /// cannot reach memory outside the receiver's mappings.
+    Fd {
+        fd: u32,
+        dev: u64,
+        ino: u64,
+    },
+    Named {
+        name: String,
+    },
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -316,9 +326,11 @@ fn block_desc(ctx: &mut EncodeCtx, arena: Arc<Arena>, slot: u32, len: usize) -> 
     let segment = match ctx.segment_index.get(&key) {
         Some(&i) => i,
         None => {
-            let desc = match arena.segment().name() {
-                Some(name) => SegmentDesc::Named { name: name.to_owned() },
-                None => SegmentDesc::Fd { fd: push_fd(ctx, FdSource::Arena(arena.clone())) },
+            let desc = match arena.segment().id() {
+                SegmentId::Name(name) => SegmentDesc::Named { name: name.clone() },
+                &SegmentId::Inode { dev, ino } => {
+                    SegmentDesc::Fd { fd: push_fd(ctx, FdSource::Arena(arena.clone())), dev, ino }
+                }
             };
             ctx.segments.push(desc);
             let i = (ctx.segments.len() - 1) as u32;
@@ -422,10 +434,13 @@ fn resolve_segments(descs: &[SegmentDesc], fds: &mut [Option<OwnedFd>]) -> Vec<R
     descs
         .iter()
         .map(|d| match d {
-            SegmentDesc::Fd { fd } => {
+            SegmentDesc::Fd { fd, dev, ino } => {
                 let fd = fds.get_mut(*fd as usize).and_then(Option::take).ok_or_else(|| {
                     Error::invalid(format!("segment descriptor {fd} is missing or used twice"))
                 })?;
+                if let Some(a) = cache::cache().arena(&SegmentId::Inode { dev: *dev, ino: *ino }) {
+                    return Ok(a); // `fd` closes unexamined: this process maps it already
+                }
                 let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received segment", e))?;
                 let id = SegmentId::Inode { dev: st.st_dev, ino: st.st_ino };
                 if let Some(a) = cache::cache().arena(&id) {
