@@ -88,16 +88,13 @@ impl Core {
                 return Err(Error::Disconnected);
             }
         }
-        let this = self.clone();
-        // `alive` runs only while the socket is full: then another reader must exist.
-        let alive = move || this.control.others_alive() || Arc::strong_count(&this) > 2;
-        socket::send(self.tx.as_fd(), msg, deadline, &alive).inspect_err(|_| self.control.release())
+        // Asked only while the socket is full: then another reader must exist.
+        socket::send(self.tx.as_fd(), msg, deadline, &|| self.others())
+            .inspect_err(|_| self.control.release())
     }
 
     fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
-        let this = self.clone();
-        let alive = move || this.control.others_alive() || Arc::strong_count(&this) > 2;
-        let record = socket::recv(self.rx.as_fd(), deadline, &alive)?;
+        let record = socket::recv(self.rx.as_fd(), deadline, &|| self.others())?;
         self.take(record)
     }
 

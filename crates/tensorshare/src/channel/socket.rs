@@ -53,6 +53,11 @@ impl Deadline {
         Deadline(Some(Instant::now()))
     }
 
+    /// Whether the deadline has passed at `now`.
+    fn passed(&self, now: Instant) -> bool {
+        self.0.is_some_and(|d| now >= d)
+    }
+
     /// The next wait: until the deadline, at most one liveness slice. `None`: passed.
     pub(crate) fn slice(&self) -> Option<Duration> {
         match self.0 {
@@ -202,7 +207,8 @@ pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> b
             Received::Closed => return Err(Error::Disconnected),
             Received::Empty => {}
         }
-        if Instant::now() < spin_until && deadline.slice().is_some() {
+        let now = Instant::now();
+        if now < spin_until && !deadline.passed(now) {
             std::hint::spin_loop();
             continue;
         }
