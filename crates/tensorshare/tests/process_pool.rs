@@ -127,3 +127,23 @@ fn an_initializer_runs_in_every_worker() {
     ranks.dedup();
     assert!(!ranks.is_empty() && ranks.iter().all(|r| r == "0" || r == "1"));
 }
+
+#[test]
+fn dropping_the_pool_ends_its_workers() {
+    let p = Pool::new(2).unwrap();
+    let pidfds: Vec<_> = p
+        .pids()
+        .into_iter()
+        .map(|pid| {
+            let pid = rustix::process::Pid::from_raw(pid).unwrap();
+            rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap()
+        })
+        .collect();
+    drop(p);
+    for fd in &pidfds {
+        // Dropping the pool waited for its workers: each has exited already.
+        let mut poll = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        assert_eq!(rustix::event::poll(&mut poll, Some(&zero)).unwrap(), 1, "a worker outlived its pool");
+    }
+}

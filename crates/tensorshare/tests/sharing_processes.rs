@@ -438,3 +438,51 @@ fn queues_and_pipes_travel_inside_messages() {
     // The worker is gone and we sent our only copy of the other end: hang-up.
     assert!(matches!(mine.recv(), Err(Error::Disconnected)));
 }
+
+fn produce_tagged(rank: usize, q: Queue<Vec<u64>>) {
+    for i in 0..200u64 {
+        // Every 25th message is larger than a socket record.
+        let len = if i % 25 == 0 { 50_000 } else { 8 };
+        q.put(vec![rank as u64 * 1_000_000 + i; len]).unwrap();
+    }
+}
+
+fn consume_tagged(_rank: usize, (q, out): (Queue<Vec<u64>>, Queue<Vec<u64>>)) {
+    let mut seen = Vec::new();
+    loop {
+        let v = q.get().unwrap();
+        if v.is_empty() {
+            break; // the parent's end marker: one per consumer
+        }
+        assert!(v.iter().all(|x| *x == v[0]), "a message mixed with another");
+        seen.push(v[0]);
+        if seen.len() % 100 == 0 {
+            out.put(std::mem::take(&mut seen)).unwrap();
+        }
+    }
+    out.put(seen).unwrap();
+}
+
+/// Three producer processes and two consumer processes share one queue: every message is
+/// taken exactly once, whole.
+#[test]
+fn many_producer_and_consumer_processes_share_one_queue() {
+    let q: Queue<Vec<u64>> = Queue::with_capacity(16).unwrap();
+    let out: Queue<Vec<u64>> = Queue::new().unwrap();
+    let mut consumers = spawn(consume_tagged, (q.clone(), out.clone()), 2).unwrap();
+    let mut producers = spawn(produce_tagged, q.clone(), 3).unwrap();
+    assert_eq!(producers.join(None), Ok(true));
+    q.put(Vec::new()).unwrap();
+    q.put(Vec::new()).unwrap();
+    assert_eq!(consumers.join(None), Ok(true));
+    let mut all = Vec::new();
+    while let Some(batch) = out.try_get().unwrap() {
+        all.extend(batch);
+        if all.len() == 600 {
+            break;
+        }
+    }
+    all.sort();
+    let expected: Vec<u64> = (0..3u64).flat_map(|p| (0..200).map(move |i| p * 1_000_000 + i)).collect();
+    assert_eq!(all, expected, "each message exactly once");
+}
