@@ -486,3 +486,41 @@ fn many_producer_and_consumer_processes_share_one_queue() {
     let expected: Vec<u64> = (0..3u64).flat_map(|p| (0..200).map(move |i| p * 1_000_000 + i)).collect();
     assert_eq!(all, expected, "each message exactly once");
 }
+
+fn sum_firsts(_rank: usize, (q, out): (Queue<Vec<Tensor>>, Queue<(usize, f64)>)) {
+    let tensors = q.get().unwrap();
+    let mut sum = 0.0;
+    for t in &tensors {
+        let v = t.as_slice::<f32>().unwrap();
+        assert_eq!(v[0], v[v.len() - 1], "both ends of a tensor hold its index");
+        sum += v[0] as f64;
+    }
+    out.put((tensors.len(), sum)).unwrap();
+}
+
+/// A message naming more segments than one record can carry descriptors (253): 260
+/// tensors over 4 MiB, one arena each, as a large model's state dict would be.
+#[test]
+fn a_message_with_more_segments_than_one_record_can_carry() {
+    const N: usize = 260;
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let out: Queue<(usize, f64)> = Queue::new().unwrap();
+    let mut ctx = spawn(sum_firsts, (q.clone(), out.clone()), 1).unwrap();
+    let tensors: Vec<Tensor> = (0..N)
+        .map(|i| {
+            let mut t = Tensor::empty_shared(&[(1 << 20) + 1], DType::F32).unwrap();
+            let v = t.as_mut_slice::<f32>().unwrap();
+            let last = v.len() - 1;
+            (v[0], v[last]) = (i as f32, i as f32);
+            t
+        })
+        .collect();
+    let msg = wire::encode(&tensors).unwrap();
+    assert_eq!(msg.fds().len(), 1, "the descriptors travel on a side socket");
+    drop(msg);
+    q.put(tensors).unwrap();
+    let (n, sum) = out.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(n, N);
+    assert_eq!(sum, (0..N).map(|i| i as f64).sum::<f64>());
+}

@@ -117,12 +117,20 @@ pub(crate) fn send(
 }
 
 fn send_once(fd: BorrowedFd<'_>, msg: &Encoded) -> rustix::io::Result<()> {
-    let [head, payload] = msg.parts();
+    send_record(fd, msg.parts(), &msg.fds())
+}
+
+/// One record of `parts` with `fds` attached (at most MAX_FDS), without waiting.
+pub(crate) fn send_record(
+    fd: BorrowedFd<'_>,
+    parts: [&[u8]; 2],
+    fds: &[BorrowedFd<'_>],
+) -> rustix::io::Result<()> {
+    let [head, payload] = parts;
     let iov = [IoSlice::new(head), IoSlice::new(payload)];
-    let fds = msg.fds();
-    let mut space = vec![MaybeUninit::<u8>::uninit(); SendAncillaryMessage::ScmRights(&fds).size()];
+    let mut space = vec![MaybeUninit::<u8>::uninit(); SendAncillaryMessage::ScmRights(fds).size()];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(Errno::NOBUFS);
     }
     let n = rustix::net::sendmsg(fd, &iov, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?;

@@ -46,6 +46,10 @@ struct Header {
     storages: Vec<StorageDesc>,
     /// The payload is not inline but in the last descriptor (a memfd) of this many bytes.
     spilled: Option<u64>,
+    /// The descriptor table has this many entries, more than one record may carry: they
+    /// wait on a side socket, written in full before this message was sent, which travels
+    /// as the message's first descriptor.
+    side: Option<u32>,
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -233,21 +237,58 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     drop(reset);
     let mut encoded = Encoded { head: Vec::new(), payload: Vec::new(), fds: ctx.fds, held: ctx.held };
     encoded.payload = payload?;
-    if encoded.fds.len() > MAX_FDS {
-        return Err(Error::Unsupported(format!(
-            "a message with {} shared-memory segments and endpoints (at most {MAX_FDS}); \
-             send fewer large tensors per message",
-            encoded.fds.len()
-        )));
-    }
+    // One place is kept free for a spilled payload's memfd.
+    let side = if encoded.fds.len() >= MAX_FDS {
+        let n = encoded.fds.len() as u32;
+        let sock = write_side(&encoded.fds)?;
+        encoded.fds = vec![FdSource::Owned(sock)];
+        Some(n)
+    } else {
+        None
+    };
     let header = Header {
         nfds: encoded.fds.len() as u32,
         segments: ctx.segments,
         storages: ctx.storages,
         spilled: None,
+        side,
     };
     encoded.head = frame_head(&header)?;
     Ok(encoded)
+}
+
+/// Writes a descriptor table too large for one record onto a new socket, in records of at
+/// most MAX_FDS, and returns the reading end (the writing end closes, so the reader sees
+/// where the table ends).
+fn write_side(fds: &[FdSource]) -> Result<OwnedFd> {
+    let (w, r) = crate::channel::socket::pair()?;
+    for chunk in fds.chunks(MAX_FDS) {
+        let borrowed: Vec<BorrowedFd<'_>> = chunk.iter().map(FdSource::fd).collect();
+        crate::channel::socket::send_record(w.as_fd(), [&[1u8], &[]], &borrowed)
+            .map_err(|e| Error::io(format!("passing the {} descriptors of one message", fds.len()), e))?;
+    }
+    Ok(r)
+}
+
+/// Reads a descriptor table of `n` entries from a side socket.
+fn read_side(sock: OwnedFd, n: u32) -> Result<Vec<OwnedFd>> {
+    let mut out = Vec::with_capacity((n as usize).min(1 << 16));
+    loop {
+        match crate::channel::socket::try_recv(sock.as_fd())? {
+            crate::channel::socket::Received::Record(r) => out.extend(r.fds),
+            crate::channel::socket::Received::Closed | crate::channel::socket::Received::Empty => break,
+        }
+        if out.len() > n as usize {
+            break;
+        }
+    }
+    if out.len() != n as usize {
+        return Err(Error::invalid(format!(
+            "the message names {n} descriptors, its side socket held {}",
+            out.len()
+        )));
+    }
+    Ok(out)
 }
 
 /// Whether a value is being encoded into a message on this thread (tensors then serialize
@@ -393,6 +434,13 @@ pub fn decode<T: DeserializeOwned>(frame: &[u8], fds: Vec<OwnedFd>) -> Result<T>
             &spilled
         }
     };
+    if let Some(n) = header.side {
+        let sock = fds.first_mut().and_then(Option::take).ok_or_else(|| Error::invalid("no side socket"))?;
+        if fds.len() != 1 {
+            return Err(Error::invalid("a message with a side socket carries no other descriptor"));
+        }
+        fds = read_side(sock, n)?.into_iter().map(Some).collect();
+    }
     let segments = resolve_segments(&header.segments, &mut fds);
     let storages = resolve_storages(&header.storages, &segments)?;
     let segments_ok: Result<Vec<_>> = segments.into_iter().collect();
