@@ -277,11 +277,16 @@ impl SparseTensor {
                 )
             }
         };
+        // The indices are read again and checked again: in shared memory another process
+        // may have changed them since construction, and they decide where bytes are written.
         match self.layout {
             SparseLayout::Coo => {
                 let idx = self.indices[0].to_vec::<i64>()?;
                 let sparse_dims = self.indices[0].shape()[0];
                 let nnz = self.nnz();
+                for d in 0..sparse_dims {
+                    check_range(&idx[d * nnz..(d + 1) * nnz], self.size[d], &format!("COO indices row {d}"))?;
+                }
                 let row: usize = self.size[sparse_dims..].iter().product();
                 let mut seen = std::collections::HashSet::new();
                 for j in 0..nnz {
@@ -302,6 +307,21 @@ impl SparseTensor {
                     _ => (1, 1),
                 };
                 let by_rows = matches!(layout, SparseLayout::Csr | SparseLayout::Bsr);
+                let (outer, inner) = if by_rows {
+                    (self.size[0] / br, self.size[1] / bc)
+                } else {
+                    (self.size[1] / bc, self.size[0] / br)
+                };
+                if c.len() != outer + 1
+                    || c[0] != 0
+                    || c[outer] != p.len() as i64
+                    || c.windows(2).any(|w| w[0] > w[1])
+                {
+                    return Err(Error::shape(format!(
+                        "{layout:?} compressed indices changed since construction: {c:?}"
+                    )));
+                }
+                check_range(&p, inner, "plain indices")?;
                 for o in 0..c.len() - 1 {
                     for (k, &plain) in p.iter().enumerate().take(c[o + 1] as usize).skip(c[o] as usize) {
                         let (r, col) = if by_rows { (o, plain as usize) } else { (plain as usize, o) };
@@ -354,5 +374,22 @@ mod tests {
         let bsc = SparseTensor::bsc(i64s(&[0, 0, 1]), i64s(&[0]), blocks.clone(), &[2, 4]).unwrap();
         assert!(bsc.to_dense().unwrap().equal(&bsr.to_dense().unwrap()));
         assert!(SparseTensor::bsr(i64s(&[0, 1]), i64s(&[1]), blocks, &[3, 4]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod shared_index_tests {
+    use super::*;
+
+    #[test]
+    fn to_dense_rechecks_indices_changed_after_construction() {
+        let mut idx = Tensor::from_vec(vec![0i64, 1], &[1, 2]).unwrap();
+        idx.share_memory().unwrap();
+        let vals = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
+        let s = SparseTensor::coo(idx.clone(), vals, &[2]).unwrap();
+        // Another holder of the shared index tensor writes an index out of range.
+        idx.as_mut_slice::<i64>().unwrap()[1] = 1 << 40;
+        let err = s.to_dense().unwrap_err();
+        assert!(err.to_string().contains("outside"), "{err}");
     }
 }
