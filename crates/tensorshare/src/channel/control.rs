@@ -5,13 +5,13 @@
 //! kernel drops when the process dies by any means. "Does anyone else hold this queue?" is
 //! one `F_GETLK`.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use rustix::mm::{MapFlags, ProtFlags};
-
-use crate::{Error, Result};
+use crate::shm::{Segment, SegmentId};
+use crate::{Error, Result, SharingStrategy};
 
 const LEN: usize = 4096;
 /// `permits` value of a queue without a capacity.
@@ -26,78 +26,56 @@ struct Block {
 }
 
 pub(crate) struct Control {
-    fd: std::sync::Arc<OwnedFd>,
-    ptr: std::ptr::NonNull<Block>,
+    /// A one-page memfd that every holder of the queue maps.
+    seg: Arc<Segment>,
     /// The process that holds the lock (a forked child must take its own).
     locked_by: AtomicI32,
 }
 
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for Control {}
-// SAFETY: as above.
-unsafe impl Sync for Control {}
-
 impl Control {
     /// A new control block for a queue of `capacity` places (None: unbounded).
     pub(crate) fn create(capacity: Option<u32>) -> Result<Control> {
-        let fd = rustix::fs::memfd_create("tensorshare-queue", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| Error::io("memfd_create for a queue", e))?;
-        rustix::fs::ftruncate(&fd, LEN as u64).map_err(|e| Error::io("ftruncate of a queue's memfd", e))?;
-        let c = Control::map(fd)?;
+        let c = Control::with(Segment::create(LEN, SharingStrategy::FileDescriptor)?)?;
         c.block().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
     }
 
     /// Maps a control block received from another process.
     pub(crate) fn open(fd: OwnedFd) -> Result<Control> {
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a queue's memfd", e))?;
-        if st.st_size < LEN as i64 {
-            return Err(Error::invalid("a queue's control block is too small"));
-        }
-        Control::map(fd)
+        Control::with(Segment::from_fd(fd, LEN)?)
     }
 
-    fn map(fd: OwnedFd) -> Result<Control> {
-        // SAFETY: a fresh shared mapping of LEN bytes of a file at least LEN bytes long.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| Error::io("mmap of a queue's control block", e))?;
-        let ptr =
-            std::ptr::NonNull::new(p.cast::<Block>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
-        let c = Control { fd: std::sync::Arc::new(fd), ptr, locked_by: AtomicI32::new(0) };
+    fn with(seg: Segment) -> Result<Control> {
+        let c = Control { seg: Arc::new(seg), locked_by: AtomicI32::new(0) };
         c.hold()?;
         Ok(c)
     }
 
     fn block(&self) -> &Block {
-        // SAFETY: the mapping is LEN bytes, page-aligned, lives as long as self, and Block
-        // is two atomics (valid for any bit pattern, shared access by design).
-        unsafe { self.ptr.as_ref() }
+        // SAFETY: the segment is at least LEN bytes (Segment checks what it maps),
+        // page-aligned, lives as long as self, and Block is two atomics: valid for any bit
+        // pattern and meant to be used by several processes at once.
+        unsafe { &*self.seg.as_ptr().cast::<Block>() }
     }
 
-    pub(crate) fn fd(&self) -> &std::sync::Arc<OwnedFd> {
-        &self.fd
+    /// The segment, to send along with the queue.
+    pub(crate) fn segment(&self) -> &Arc<Segment> {
+        &self.seg
     }
 
     /// (device, inode): the queue's identity in every process.
     pub(crate) fn id(&self) -> Result<(u64, u64)> {
-        let st = rustix::fs::fstat(&*self.fd).map_err(|e| Error::io("fstat of a queue's memfd", e))?;
-        Ok((st.st_dev, st.st_ino))
+        match self.seg.id() {
+            &SegmentId::Inode { dev, ino } => Ok((dev, ino)),
+            SegmentId::Name(_) => Err(Error::invalid("a queue's control block must be a memfd")),
+        }
     }
 
     /// Takes this process's read lock (again: closing any descriptor of the file, or a
     /// fork, loses it).
     pub(crate) fn hold(&self) -> Result<()> {
         let pid = rustix::process::getpid().as_raw_nonzero().get();
-        lock(self.fd.as_fd().as_raw_fd(), libc::F_SETLK, libc::F_RDLCK as i16)
+        lock(self.seg.fd().as_raw_fd(), libc::F_SETLK, libc::F_RDLCK as i16)
             .map_err(|e| Error::io("fcntl(F_SETLK) on a queue", e))?;
         self.locked_by.store(pid, Ordering::Relaxed);
         Ok(())
@@ -112,7 +90,7 @@ impl Control {
         }
         let mut fl = flock(libc::F_WRLCK as i16);
         // SAFETY: F_GETLK with a valid descriptor and a valid, initialised struct flock.
-        let r = unsafe { libc::fcntl(self.fd.as_fd().as_raw_fd(), libc::F_GETLK, &mut fl) };
+        let r = unsafe { libc::fcntl(self.seg.fd().as_raw_fd(), libc::F_GETLK, &mut fl) };
         // On error, assume someone is there: waiting on is safer than a false hang-up.
         r != 0 || fl.l_type != libc::F_UNLCK as i16
     }
@@ -169,13 +147,6 @@ impl Control {
         if b.waiters.load(Ordering::SeqCst) > 0 {
             let _ = rustix::thread::futex::wake(&b.permits, rustix::thread::futex::Flags::empty(), 1);
         }
-    }
-}
-
-impl Drop for Control {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`; nothing refers to it after drop.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), LEN) };
     }
 }
 

@@ -131,7 +131,8 @@ fn serialize_core<S: Serializer>(core: &Core, s: S) -> std::result::Result<S::Ok
         return Err(S::Error::custom("a queue can only travel inside a tensorshare message"));
     }
     let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(S::Error::custom);
-    CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl: fd(core.control.fd())? }.serialize(s)
+    let ctl = wire::encode_fd(FdSource::Segment(core.control.segment().clone())).map_err(S::Error::custom)?;
+    CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl }.serialize(s)
 }
 
 fn deserialize_core<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Arc<Core>, D::Error> {

@@ -77,6 +77,7 @@ enum StorageDesc {
 /// Something whose descriptor a message carries; kept alive until the message is sent.
 pub(crate) enum FdSource {
     Arena(Arc<Arena>),
+    Segment(Arc<Segment>),
     Fd(Arc<OwnedFd>),
     Owned(OwnedFd),
 }
@@ -85,6 +86,7 @@ impl FdSource {
     fn fd(&self) -> BorrowedFd<'_> {
         match self {
             FdSource::Arena(a) => a.segment().fd(),
+            FdSource::Segment(s) => s.fd(),
             FdSource::Fd(f) => f.as_fd(),
             FdSource::Owned(f) => f.as_fd(),
         }
