@@ -177,12 +177,6 @@ impl Segment {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
-
-    /// Stops this process from unlinking the named segment when it is dropped: another
-    /// owner (a lifetime protocol) takes over.
-    pub fn disown_name(&mut self) -> Option<String> {
-        self.owned_name.take()
-    }
 }
 
 impl Drop for Segment {
