@@ -29,6 +29,8 @@
 
 mod arena;
 pub mod channel;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod nested;

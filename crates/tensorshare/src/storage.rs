@@ -45,6 +45,9 @@ pub(crate) enum Shared {
     Empty(SharingStrategy),
     /// A block of an arena.
     Block(Block),
+    /// A device allocation of its own.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::Allocation),
 }
 
 pub(crate) struct Inner {
@@ -136,7 +139,7 @@ impl Storage {
         self.inner.shared.get().is_some()
     }
 
-    /// The strategy of a shared storage.
+    /// The strategy of a shared storage (None for a private or a device storage).
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
         match self.inner.shared.get()? {
             Shared::Empty(s) => Some(*s),
@@ -145,6 +148,17 @@ impl Storage {
             } else {
                 SharingStrategy::FileDescriptor
             }),
+            #[cfg(feature = "cuda")]
+            Shared::Device(_) => None,
+        }
+    }
+
+    /// Where the bytes are: the host, or the CUDA device of a device storage.
+    pub fn device(&self) -> crate::Device {
+        match self.inner.shared.get() {
+            #[cfg(feature = "cuda")]
+            Some(Shared::Device(a)) => crate::Device::Cuda(a.device),
+            _ => crate::Device::Cpu,
         }
     }
 
@@ -171,10 +185,13 @@ impl Storage {
     }
 
     /// The address of the first byte. Stable for a shared storage; for a private one it
-    /// changes once, when the storage is moved into shared memory.
+    /// changes once, when the storage is moved into shared memory. For a device storage,
+    /// the device address: not for the host to read or write.
     pub fn as_ptr(&self) -> *mut u8 {
         match self.inner.shared.get() {
             Some(Shared::Block(b)) => b.ptr(),
+            #[cfg(feature = "cuda")]
+            Some(Shared::Device(a)) => a.ptr as *mut u8,
             Some(Shared::Empty(_)) => NonNull::<Chunk>::dangling().as_ptr().cast(),
             None => match &self.inner.private {
                 Some(p) => p.ptr.as_ptr(),
@@ -194,17 +211,30 @@ impl Storage {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// A copy of the bytes.
+    /// A copy of the bytes (for a device storage, copied from the device).
+    ///
+    /// # Panics
+    /// If the copy from a device fails (a broken CUDA context); use
+    /// [`Storage::try_to_bytes`] to get that as an error.
     pub fn to_bytes(&self) -> Vec<u8> {
-        // SAFETY: as_ptr points to len initialised bytes that live as long as self.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }.to_vec()
+        self.try_to_bytes().unwrap_or_else(|e| panic!("Storage::to_bytes: {e}"))
+    }
+
+    /// A copy of the bytes; fails only when a device storage cannot be copied.
+    pub fn try_to_bytes(&self) -> Result<Vec<u8>> {
+        #[cfg(feature = "cuda")]
+        if let Some(Shared::Device(a)) = self.inner.shared.get() {
+            return crate::cuda::storage_bytes(a, self.len());
+        }
+        // SAFETY: as_ptr points to len initialised host bytes that live as long as self.
+        Ok(unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }.to_vec())
     }
 
     /// The file name of the named segment holding a file_system storage.
     pub fn segment_name(&self) -> Option<String> {
         match self.inner.shared.get()? {
             Shared::Block(b) => b.arena().segment().name().map(str::to_owned),
-            Shared::Empty(_) => None,
+            _ => None,
         }
     }
 

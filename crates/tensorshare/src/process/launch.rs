@@ -111,6 +111,12 @@ where
 pub(crate) fn start(job: OwnedFd, method: StartMethod) -> Result<rustix::process::Pid> {
     match method {
         StartMethod::Spawn => exec_worker(WORKER_ENV, job),
+        #[cfg(feature = "cuda")]
+        StartMethod::Fork if crate::cuda::is_initialized() => Err(Error::Device(
+            "Cannot re-initialize CUDA in forked subprocess: this process has initialised CUDA, so its \
+             workers cannot be started with StartMethod::Fork; use StartMethod::Spawn or ForkServer"
+                .into(),
+        )),
         StartMethod::Fork => fork_worker(job),
         StartMethod::ForkServer => forkserver::start_worker(job),
     }

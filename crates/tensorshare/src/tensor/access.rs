@@ -78,8 +78,13 @@ impl Tensor {
     }
 
     /// A copy of the elements in row-major order, whatever the strides.
+    /// A CUDA tensor is copied to the host first.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>()?;
+        #[cfg(feature = "cuda")]
+        if let crate::Device::Cuda(_) = self.device {
+            return self.to_cpu()?.to_vec();
+        }
         self.check_cpu()?;
         let mut out = Vec::with_capacity(self.numel());
         let mut bad = false;
@@ -100,8 +105,13 @@ impl Tensor {
         Ok(out)
     }
 
-    /// The elements' bytes in row-major order (a copy), whatever the strides.
+    /// The elements' bytes in row-major order (a copy), whatever the strides. A CUDA tensor
+    /// is copied to the host first.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        #[cfg(feature = "cuda")]
+        if let crate::Device::Cuda(_) = self.device {
+            return self.to_cpu()?.to_bytes();
+        }
         self.check_cpu()?;
         if let Ok(b) = self.contiguous_bytes() {
             return Ok(b.to_vec());
@@ -115,9 +125,15 @@ impl Tensor {
         Ok(out)
     }
 
-    /// Sets every element of this view to `value` (any strides).
+    /// Sets every element of this view to `value` (any strides; a CUDA view must be
+    /// contiguous).
     pub fn fill<T: Element>(&mut self, value: T) -> Result<&mut Self> {
         self.check_dtype::<T>()?;
+        #[cfg(feature = "cuda")]
+        if let crate::Device::Cuda(_) = self.device {
+            self.fill_device(bytemuck::bytes_of(&value))?;
+            return Ok(self);
+        }
         self.check_cpu()?;
         if self.is_contiguous() {
             let p = self.elem_ptr(self.offset).cast::<T>();

@@ -100,6 +100,7 @@ fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
 
 impl Tensor {
     pub(crate) fn from_parts(storage: Storage, dtype: DType, shape: Vec<usize>) -> Tensor {
+        let storage_device = storage.device();
         let strides = contiguous_strides(&shape);
         Tensor {
             storage,
@@ -109,7 +110,7 @@ impl Tensor {
             offset: 0,
             requires_grad: false,
             kind: TensorKind::Tensor,
-            device: Device::Cpu,
+            device: storage_device,
         }
     }
 
@@ -259,9 +260,14 @@ impl Tensor {
         &self.storage
     }
 
-    /// Whether the data is in shared memory.
+    /// Whether the data is in shared memory. A CUDA tensor always is (torch: every CUDA
+    /// tensor can be shared as it is).
     pub fn is_shared(&self) -> bool {
-        self.device == Device::Cpu && self.storage.is_shared()
+        match self.device {
+            Device::Cpu => self.storage.is_shared(),
+            Device::Cuda(_) => true,
+            Device::Meta => false,
+        }
     }
 
     /// Moves the storage into shared memory, in place (one copy): this tensor, and every

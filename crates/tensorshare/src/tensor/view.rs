@@ -128,6 +128,10 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if let crate::Device::Cuda(_) = self.device {
+            return self.to_cpu()?.to_device(self.device);
+        }
         self.check_cpu()?;
         let mut t = Tensor::from_parts(
             crate::Storage::new(self.numel() * self.dtype.size()),

@@ -82,6 +82,9 @@ pub(crate) struct Cache {
     arenas: WeakMap<SegmentId, Arena>,
     storages: WeakMap<(SegmentId, u32), Inner>,
     recent: VecDeque<Arc<Arena>>,
+    /// Device storages by their allocation's id.
+    #[cfg(feature = "cuda")]
+    devices: WeakMap<crate::cuda::AllocId, Inner>,
 }
 
 impl Cache {
@@ -116,6 +119,17 @@ impl Cache {
         inner.cached.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device(&self, id: &crate::cuda::AllocId) -> Option<Arc<Inner>> {
+        self.devices.get(id)
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn insert_device(&mut self, id: crate::cuda::AllocId, inner: &Arc<Inner>) {
+        self.devices.insert(id, inner);
+        inner.cached.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Forgets the arenas kept mapped only for speed (tests and `trim`).
     pub(crate) fn clear_recent(&mut self) {
         self.recent.clear();
@@ -127,7 +141,13 @@ pub(crate) fn cache() -> MutexGuard<'static, Cache> {
     static CACHE: std::sync::OnceLock<Mutex<Cache>> = std::sync::OnceLock::new();
     CACHE
         .get_or_init(|| {
-            Mutex::new(Cache { arenas: WeakMap::new(), storages: WeakMap::new(), recent: VecDeque::new() })
+            Mutex::new(Cache {
+                arenas: WeakMap::new(),
+                storages: WeakMap::new(),
+                recent: VecDeque::new(),
+                #[cfg(feature = "cuda")]
+                devices: WeakMap::new(),
+            })
         })
         .lock()
         .unwrap_or_else(|p| p.into_inner())

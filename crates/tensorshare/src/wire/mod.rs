@@ -71,7 +71,39 @@ enum SegmentDesc {
 #[derive(Serialize, Deserialize, Debug)]
 enum StorageDesc {
     Empty(SharingStrategy),
-    Block { segment: u32, slot: u32, len: u64 },
+    Block {
+        segment: u32,
+        slot: u32,
+        len: u64,
+    },
+    /// A CUDA storage: one device allocation (see `cuda`).
+    Device(DeviceDesc),
+}
+
+/// A device allocation in a message. Its descriptors (the memory handle when it is one,
+/// and a hold on the creator's lease) ride with the message.
+#[derive(Serialize, Deserialize, Debug)]
+struct DeviceDesc {
+    device: u32,
+    /// The creator's id of the allocation: the receive cache's key.
+    id: (u64, u64),
+    /// Bytes of the allocation.
+    size: u64,
+    /// Bytes of the storage in it.
+    len: u64,
+    memory: DeviceMemory,
+    /// Index of the lease descriptor.
+    lease: u32,
+    /// Handle of the event recorded on the sender's stream at send.
+    event: Option<Vec<u8>>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+enum DeviceMemory {
+    /// A descriptor (CUDA VMM POSIX-fd handle), by index.
+    Fd(u32),
+    /// A legacy 64-byte IPC memory handle.
+    Ipc(Vec<u8>),
 }
 
 /// Something whose descriptor a message carries; kept alive until the message is sent.
@@ -356,6 +388,13 @@ pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
                     block_desc(ctx, arena, slot, storage.len())
                 }
             }
+            #[cfg(feature = "cuda")]
+            Some(Shared::Device(alloc)) => {
+                if !storage.inner.cached.load(Ordering::Relaxed) {
+                    cache::cache().insert_device(alloc.id, &storage.inner);
+                }
+                device_desc(ctx, alloc, storage.len())?
+            }
         };
         ctx.storages.push(desc);
         let i = (ctx.storages.len() - 1) as u32;
@@ -382,6 +421,26 @@ fn block_desc(ctx: &mut EncodeCtx, arena: Arc<Arena>, slot: u32, len: usize) -> 
         }
     };
     StorageDesc::Block { segment, slot, len: len as u64 }
+}
+
+#[cfg(feature = "cuda")]
+fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize) -> Result<StorageDesc> {
+    let (export, lease) = alloc.wire_parts()?;
+    let memory = match export {
+        crate::cuda::Export::Fd(fd) => DeviceMemory::Fd(push_fd(ctx, FdSource::Fd(fd))),
+        crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
+    };
+    let lease = push_fd(ctx, FdSource::Fd(lease));
+    let event = crate::cuda::record_for_send(alloc.device)?;
+    Ok(StorageDesc::Device(DeviceDesc {
+        device: alloc.device,
+        id: (alloc.id.origin, alloc.id.serial),
+        size: alloc.size as u64,
+        len: len as u64,
+        memory,
+        lease,
+        event: Some(event.to_vec()),
+    }))
 }
 
 struct DecodeCtx {
@@ -444,7 +503,7 @@ pub fn decode<T: DeserializeOwned>(frame: &[u8], fds: Vec<OwnedFd>) -> Result<T>
         fds = read_side(sock, n)?.into_iter().map(Some).collect();
     }
     let segments = resolve_segments(&header.segments, &mut fds);
-    let storages = resolve_storages(&header.storages, &segments)?;
+    let storages = resolve_storages(&header.storages, &segments, &mut fds)?;
     let segments_ok: Result<Vec<_>> = segments.into_iter().collect();
     segments_ok?;
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
@@ -516,7 +575,11 @@ fn resolve_segments(descs: &[SegmentDesc], fds: &mut [Option<OwnedFd>]) -> Vec<R
 /// Resolves every storage of the table. Each holds a count on its slot taken by the sender:
 /// kept by a new storage, given back when this process already holds that storage. Counts
 /// of entries that cannot be resolved are given back as far as their segment is known.
-fn resolve_storages(descs: &[StorageDesc], segments: &[Result<Arc<Arena>>]) -> Result<Vec<Storage>> {
+fn resolve_storages(
+    descs: &[StorageDesc],
+    segments: &[Result<Arc<Arena>>],
+    fds: &mut [Option<OwnedFd>],
+) -> Result<Vec<Storage>> {
     let mut out = Vec::with_capacity(descs.len());
     let mut first_err = None;
     for d in descs {
@@ -529,6 +592,7 @@ fn resolve_storages(descs: &[StorageDesc], segments: &[Result<Arc<Arena>>]) -> R
                 Some(Err(e)) => Err(Error::invalid(format!("a storage's segment could not be mapped: {e}"))),
                 Some(Ok(arena)) => resolve_block(arena, *slot, *len),
             },
+            StorageDesc::Device(d) => resolve_device(d, fds),
         };
         match r {
             Ok(s) => out.push(s),
@@ -572,10 +636,78 @@ fn resolve_block(arena: &Arc<Arena>, slot: u32, len: u64) -> Result<Storage> {
     Ok(storage)
 }
 
+#[cfg(not(feature = "cuda"))]
+fn resolve_device(d: &DeviceDesc, _fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
+    Err(Error::Device(format!(
+        "a tensor on cuda:{} arrived, but this build has no CUDA support (feature `cuda`)",
+        d.device
+    )))
+}
+
+/// Resolves a device allocation: the storage this process already has for it, or a new
+/// one (the creator's own allocation coming back, or an import). Either way this process's
+/// stream then waits on the sender's event.
+#[cfg(feature = "cuda")]
+fn resolve_device(d: &DeviceDesc, fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
+    use crate::cuda::{AllocId, Allocation, Export, IpcBytes};
+    let mut take = |i: u32| {
+        fds.get_mut(i as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| Error::invalid(format!("device descriptor {i} is missing or used twice")))
+    };
+    let lease = take(d.lease)?;
+    let export = match &d.memory {
+        DeviceMemory::Fd(i) => Export::Fd(Arc::new(take(*i)?)),
+        DeviceMemory::Ipc(h) => Export::Ipc(
+            IpcBytes::try_from(h.as_slice())
+                .map_err(|_| Error::invalid("an IPC memory handle is not 64 bytes"))?,
+        ),
+    };
+    let event = match &d.event {
+        None => None,
+        Some(h) => Some(
+            IpcBytes::try_from(h.as_slice())
+                .map_err(|_| Error::invalid("an event handle is not 64 bytes"))?,
+        ),
+    };
+    let size = usize::try_from(d.size).map_err(|_| Error::invalid("a device allocation's size overflows"))?;
+    let len = usize::try_from(d.len).ok().filter(|&l| l <= size).ok_or_else(|| {
+        Error::invalid(format!("a device storage of {} bytes in an allocation of {size}", d.len))
+    })?;
+    let id = AllocId { origin: d.id.0, serial: d.id.1 };
+    let storage = {
+        let mut cache = cache::cache();
+        match cache.device(&id) {
+            Some(inner) => {
+                let existing = Storage::from_inner(inner);
+                if existing.len() != len || existing.device() != crate::Device::Cuda(d.device) {
+                    return Err(Error::invalid(format!(
+                        "a storage of {len} bytes on cuda:{} names an allocation held here as {} bytes on {}",
+                        d.device,
+                        existing.len(),
+                        existing.device()
+                    )));
+                }
+                existing // the message's lease and handle close: this process holds it already
+            }
+            None => {
+                let alloc = Allocation::receive(d.device, id, size, export, lease)?;
+                let s = Storage::from_shared(len, Shared::Device(alloc));
+                cache.insert_device(id, &s.inner);
+                s
+            }
+        }
+    };
+    if let Some(h) = event {
+        crate::cuda::wait_received(d.device, &h)?;
+    }
+    Ok(storage)
+}
+
 /// The holder count of a shared storage's slot, across processes (for tests and tools).
 pub fn holders(storage: &Storage) -> Option<u32> {
     match storage.shared()? {
         Shared::Block(b) => Some(b.arena().holders(b.slot())),
-        Shared::Empty(_) => None,
+        _ => None,
     }
 }

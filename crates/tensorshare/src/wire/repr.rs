@@ -50,14 +50,11 @@ impl Serialize for Tensor {
         };
         match self.device {
             Device::Meta => TensorOut::NoData { meta: meta(self.strides.clone(), 0) }.serialize(s),
-            Device::Cuda(i) => Err(S::Error::custom(format!(
-                "cannot send a tensor on cuda:{i}: this build has no CUDA support"
-            ))),
-            Device::Cpu if super::encoding() => {
+            Device::Cpu | Device::Cuda(_) if super::encoding() => {
                 let storage = super::encode_storage(&self.storage).map_err(S::Error::custom)?;
                 TensorOut::Handle { storage, meta: meta(self.strides.clone(), self.offset) }.serialize(s)
             }
-            Device::Cpu => {
+            Device::Cpu | Device::Cuda(_) => {
                 let data = self.to_bytes().map_err(S::Error::custom)?;
                 TensorOut::Value { data: Bytes(&data), meta: meta(contiguous_strides(&self.shape), 0) }
                     .serialize(s)
@@ -70,6 +67,13 @@ fn build(storage: Storage, m: Meta) -> crate::Result<Tensor> {
     if m.requires_grad && !m.dtype.is_float() {
         return Err(crate::Error::invalid(format!("a {} tensor cannot require gradients", m.dtype)));
     }
+    if storage.device() != m.device {
+        return Err(crate::Error::invalid(format!(
+            "a tensor on {} names a storage on {}",
+            m.device,
+            storage.device()
+        )));
+    }
     let mut t = Tensor::from_storage(storage, m.dtype, &m.shape, &m.strides, m.offset)
         .map_err(|e| crate::Error::invalid(format!("tensor handle: {e}")))?;
     t.requires_grad = m.requires_grad;
@@ -81,8 +85,8 @@ impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tensor, D::Error> {
         let t = match TensorIn::deserialize(d)? {
             TensorIn::Handle { storage, meta } => {
-                if meta.device != Device::Cpu {
-                    return Err(D::Error::custom("a storage handle for a tensor not on the cpu"));
+                if meta.device == Device::Meta {
+                    return Err(D::Error::custom("a storage handle for a tensor on the meta device"));
                 }
                 super::decode_storage(storage).and_then(|st| build(st, meta))
             }
@@ -99,8 +103,19 @@ impl<'de> Deserialize<'de> for Tensor {
                         data.0.len()
                     )));
                 }
-                let meta = Meta { strides: contiguous_strides(&meta.shape), offset: 0, ..meta };
-                build(storage, meta)
+                let device = meta.device;
+                let meta =
+                    Meta { strides: contiguous_strides(&meta.shape), offset: 0, device: Device::Cpu, ..meta };
+                match device {
+                    Device::Cpu => build(storage, meta),
+                    Device::Meta => Err(crate::Error::invalid("a tensor on the meta device with data")),
+                    #[cfg(feature = "cuda")]
+                    Device::Cuda(_) => build(storage, meta).and_then(|t| t.to_device(device)),
+                    #[cfg(not(feature = "cuda"))]
+                    Device::Cuda(i) => Err(crate::Error::Device(format!(
+                        "a tensor on cuda:{i} arrived, but this build has no CUDA support (feature `cuda`)"
+                    ))),
+                }
             }
             TensorIn::NoData { meta } => {
                 if meta.device != Device::Meta {
@@ -133,7 +148,7 @@ impl Serialize for Storage {
         if super::encoding() {
             StorageOut::Handle(super::encode_storage(self).map_err(S::Error::custom)?).serialize(s)
         } else {
-            StorageOut::Value(Bytes(&self.to_bytes())).serialize(s)
+            StorageOut::Value(Bytes(&self.try_to_bytes().map_err(S::Error::custom)?)).serialize(s)
         }
     }
 }

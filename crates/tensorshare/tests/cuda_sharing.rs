@@ -1,0 +1,658 @@
+//! CUDA sharing between real processes: ports of torch's CUDA tests from
+//! test/test_multiprocessing.py, and what torch cannot do (a killed consumer gives its
+//! memory back, a received tensor is sent on).
+//!
+//! Every body runs twice: on the simulated device (always: device memory is host shared
+//! memory exported as descriptors, exactly like CUDA VMM handles, so handles, the receive
+//! cache, leases and relays are exercised for real), and on the CUDA driver when this
+//! machine has a GPU; without one that test prints why it is skipped and passes.
+#![cfg(feature = "cuda")]
+#![allow(clippy::type_complexity)] // queues of tuples, spelled out in each test
+
+use tensorshare::cuda::{self, Event};
+use tensorshare::{spawn, start_processes, DType, Device, Error, Queue, StartMethod, Tensor, TensorKind};
+
+tensorshare::enable_test_workers!();
+
+mod common;
+
+const GPU: Device = Device::Cuda(0);
+
+/// Runs `$body` in a helper process of its own on the given device layer, under the leak
+/// checker (no segment file, no descriptor left), and checks that every device allocation
+/// the helper made is freed once the body's tensors and workers are gone.
+macro_rules! on_driver {
+    ($body:path, $driver:expr) => {
+        crate::common::isolated_with(
+            |_rank, driver: String| {
+                // The helper is a fresh process: no CUDA call has chosen a layer yet, and the
+                // workers it starts inherit the variable.
+                std::env::set_var(tensorshare::cuda::DRIVER_ENV, &driver);
+                match tensorshare::cuda::device_count() {
+                    Ok(n) if n > 0 => {}
+                    Ok(_) => return eprintln!("skipped on {driver}: no CUDA device"),
+                    Err(e) => return eprintln!("skipped on {driver}: {e}"),
+                }
+                let lc = crate::common::LeakChecker::new();
+                for _ in 0..crate::common::repeats() {
+                    $body();
+                }
+                tensorshare::cuda::collect();
+                assert_eq!(
+                    tensorshare::cuda::memory_stats(),
+                    tensorshare::cuda::MemoryStats::default(),
+                    "device memory left"
+                );
+                if driver != "cuda" {
+                    // The driver keeps descriptors of its own (device files) open as it likes.
+                    lc.check();
+                }
+            },
+            $driver.to_string(),
+        )
+    };
+}
+
+macro_rules! each_driver {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn simulated() {
+                    on_driver!(super::$name, "simulated");
+                }
+                #[test]
+                fn gpu() {
+                    on_driver!(super::$name, "cuda");
+                }
+            }
+        )*
+    };
+}
+
+each_driver!(
+    test_cuda_simple,
+    test_cuda_memory_allocation,
+    test_cuda_ipc_deadlock,
+    test_cuda_send_many,
+    test_cuda_small_tensors,
+    test_event,
+    test_event_multiprocess,
+    test_event_handle_importer,
+    test_event_handle_exporter,
+    test_empty_tensor_sharing_cuda,
+    test_cuda_variable_sharing,
+    test_mixed_types_cuda_sharing,
+    test_cuda_parameter_sharing,
+    test_integer_parameter_serialization_cuda,
+    test_is_shared_cuda,
+    test_wrong_cuda_fork,
+    a_killed_consumer_gives_its_memory_back,
+    a_received_tensor_is_relayed_to_a_third_process,
+    views_and_offsets_survive_the_trip,
+);
+
+fn cuda_tensor(values: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(values, shape).unwrap().to_device(GPU).unwrap()
+}
+
+/// torch's _test_sharing on CUDA: a worker fills a received tensor and the parent sees it
+/// through the tensor and its column view; then one tensor sent twice arrives as one.
+fn test_cuda_simple() {
+    let x = Tensor::zeros_on(&[5, 5], DType::F32, GPU).unwrap();
+    let data = (x.clone(), x.narrow(1, 1, 1).unwrap());
+    let q: Queue<(Tensor, Tensor)> = Queue::new().unwrap();
+    q.put(data.clone()).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<(Tensor, Tensor)>| {
+            let (mut x, col) = q.get().unwrap();
+            assert_eq!(col.device(), Device::Cuda(0));
+            assert!(x.storage().ptr_eq(col.storage()), "one allocation, one storage");
+            x.fill(4.0f32).unwrap();
+            cuda::synchronize(Device::Cuda(0)).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(data.0.to_vec::<f32>().unwrap(), vec![4.0; 25]);
+    assert_eq!(data.1.to_vec::<f32>().unwrap(), vec![4.0; 5]);
+
+    let back: Queue<Tensor> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<Tensor>| {
+            let t = Tensor::full(&[5, 5], 1.0f32).to_device(Device::Cuda(0)).unwrap();
+            q.put(t.clone()).unwrap();
+            q.put(t).unwrap();
+        },
+        back.clone(),
+        1,
+    )
+    .unwrap();
+    let (t1, t2) = (back.get().unwrap(), back.get().unwrap());
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(t1.storage().ptr_eq(t2.storage()));
+    assert_eq!(t1.device_ptr().unwrap(), t2.device_ptr().unwrap());
+    assert_eq!(t2.to_vec::<f32>().unwrap(), vec![1.0; 25], "readable after the sender exited");
+}
+
+/// torch's test_cuda_memory_allocation: the producer drops its own tensors after sending
+/// them; the consumer's copies stay valid, and the memory is freed when it is done.
+fn test_cuda_memory_allocation() {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let done: Queue<bool> = Queue::new().unwrap();
+    let release: Queue<bool> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, done, release): (Queue<Vec<Tensor>>, Queue<bool>, Queue<bool>)| {
+            let got = q.get().unwrap();
+            for (i, t) in got.iter().enumerate() {
+                assert_eq!(t.to_vec::<f32>().unwrap(), vec![i as f32; 1000]);
+            }
+            done.put(true).unwrap();
+            // Hold the tensors until the parent has checked that it kept them.
+            assert!(release.get().unwrap());
+        },
+        (q.clone(), done.clone(), release.clone()),
+        1,
+    )
+    .unwrap();
+    {
+        let ts: Vec<Tensor> =
+            (0..5).map(|i| Tensor::full(&[1000], i as f32).to_device(GPU).unwrap()).collect();
+        q.put(ts).unwrap();
+    } // the producer's own handles are gone
+    assert!(done.get().unwrap());
+    assert_eq!(cuda::collect(), 0, "the consumer still holds them");
+    let held = cuda::memory_stats();
+    assert_eq!(held.held_allocations, 5);
+    assert!(held.held_for_others >= 5 * 4000);
+    release.put(true).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(cuda::collect(), held.held_for_others);
+    assert_eq!(cuda::memory_stats().allocated, 0);
+}
+
+/// torch's test_cuda_ipc_deadlock: state dicts of CUDA tensors through a bounded queue,
+/// a producer and a consumer worker, do not deadlock.
+fn test_cuda_ipc_deadlock() {
+    let q: Queue<Vec<(String, Tensor)>> = Queue::with_capacity(3).unwrap();
+    let producer = spawn(
+        |_rank, q: Queue<Vec<(String, Tensor)>>| {
+            for i in 0..20 {
+                let sd = vec![
+                    (
+                        "weight".to_string(),
+                        Tensor::full(&[16, 16], i as f32).to_device(Device::Cuda(0)).unwrap(),
+                    ),
+                    (
+                        "bias".to_string(),
+                        Tensor::full(&[16], -(i as f32)).to_device(Device::Cuda(0)).unwrap(),
+                    ),
+                ];
+                q.put(sd).unwrap();
+            }
+        },
+        q.clone(),
+        1,
+    );
+    let consumer = spawn(
+        |_rank, q: Queue<Vec<(String, Tensor)>>| {
+            for i in 0..20 {
+                let sd = q.get().unwrap();
+                assert_eq!(sd[0].1.to_vec::<f32>().unwrap(), vec![i as f32; 256]);
+                assert_eq!(sd[1].1.to_vec::<f32>().unwrap(), vec![-(i as f32); 16]);
+            }
+        },
+        q.clone(),
+        1,
+    );
+    let timeout = Some(std::time::Duration::from_secs(60));
+    assert_eq!(producer.unwrap().join(timeout), Ok(true));
+    assert_eq!(consumer.unwrap().join(timeout), Ok(true));
+}
+
+/// torch's test_cuda_send_many (100,000 tensors; `TENSORSHARE_CUDA_SEND_MANY` sets the
+/// count, CI sends 1,000): tensors made by one worker, relayed by a second to a third, which
+/// checks every one.
+fn test_cuda_send_many() {
+    let n: usize =
+        std::env::var("TENSORSHARE_CUDA_SEND_MANY").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let a: Queue<Tensor> = Queue::with_capacity(64).unwrap();
+    let b: Queue<Tensor> = Queue::with_capacity(64).unwrap();
+    let mut ctx = spawn(
+        |rank, (a, b, n): (Queue<Tensor>, Queue<Tensor>, usize)| match rank {
+            0 => {
+                for i in 0..n {
+                    a.put(Tensor::full(&[4], i as i32).to_device(Device::Cuda(0)).unwrap()).unwrap();
+                }
+            }
+            1 => {
+                for _ in 0..n {
+                    b.put(a.get().unwrap()).unwrap();
+                }
+            }
+            _ => {
+                for i in 0..n {
+                    assert_eq!(b.get().unwrap().to_vec::<i32>().unwrap(), vec![i as i32; 4]);
+                }
+            }
+        },
+        (a.clone(), b.clone(), n),
+        3,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(Some(std::time::Duration::from_secs(120))), Ok(true));
+}
+
+/// torch's test_cuda_small_tensors: small tensors on each device (two on the simulated
+/// layer), many of them views of one allocation, keep their values and devices.
+fn test_cuda_small_tensors() {
+    let devices = cuda::device_count().unwrap().min(2);
+    let mut sent = Vec::new();
+    for d in 0..devices {
+        let base = Tensor::from_vec((0..40).map(|v| v as f32 + 100.0 * d as f32).collect(), &[40])
+            .unwrap()
+            .to_device(Device::Cuda(d))
+            .unwrap();
+        for i in 0..8 {
+            sent.push(base.narrow(0, i * 5, 5).unwrap());
+        }
+    }
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let back: Queue<Vec<(u32, Vec<f32>)>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<(u32, Vec<f32>)>>)| {
+            let got = q.get().unwrap();
+            let out = got
+                .iter()
+                .map(|t| match t.device() {
+                    Device::Cuda(d) => (d, t.to_vec::<f32>().unwrap()),
+                    d => panic!("a tensor arrived on {d}"),
+                })
+                .collect();
+            back.put(out).unwrap();
+        },
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    q.put(sent.clone()).unwrap();
+    let got = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    for (t, (d, v)) in sent.iter().zip(got) {
+        assert_eq!(Device::Cuda(d), t.device());
+        assert_eq!(v, t.to_vec::<f32>().unwrap());
+    }
+}
+
+/// torch's test_event: the parent records an interprocess event after its work; the child
+/// waits on it before its own work on the shared tensor.
+fn test_event() {
+    let x = Tensor::zeros_on(&[1000], DType::F32, GPU).unwrap();
+    let mut y = x.clone();
+    y.fill(1.0f32).unwrap(); // queued on the parent's stream
+    let e = Event::new(GPU).unwrap();
+    e.record().unwrap();
+    let mut ctx = spawn(
+        |_rank, (e, x): (Event, Tensor)| {
+            e.wait().unwrap();
+            assert_eq!(x.to_vec::<f32>().unwrap(), vec![1.0; 1000]);
+        },
+        (e.clone(), x.clone()),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// torch's test_event_multiprocess: the child synchronises on the parent's event, and
+/// sees the parent's writes.
+fn test_event_multiprocess() {
+    let mut x = Tensor::zeros_on(&[64], DType::I32, GPU).unwrap();
+    x.fill(7i32).unwrap();
+    let e = Event::new(GPU).unwrap();
+    e.record().unwrap();
+    let q: Queue<(Event, Tensor)> = Queue::new().unwrap();
+    q.put((e.clone(), x.clone())).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<(Event, Tensor)>| {
+            let (e, x) = q.get().unwrap();
+            e.synchronize().unwrap();
+            assert!(e.query().unwrap());
+            assert_eq!(x.to_vec::<i32>().unwrap(), vec![7; 64]);
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(e.query().unwrap());
+}
+
+/// torch's test_event_handle_importer: the parent exports an event's handle, the child
+/// opens it from the bare 64 bytes and synchronises.
+fn test_event_handle_importer() {
+    let e = Event::new(GPU).unwrap();
+    let handle = e.ipc_handle().to_vec();
+    let mut ctx = spawn(
+        |_rank, handle: Vec<u8>| {
+            let handle: [u8; 64] = handle.try_into().unwrap();
+            let e = Event::from_ipc_handle(Device::Cuda(0), handle).unwrap();
+            e.synchronize().unwrap();
+            assert!(e.query().unwrap());
+        },
+        handle,
+        1,
+    )
+    .unwrap();
+    e.record().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    // The handle names this process's own event: the same one comes back.
+    let again = Event::from_ipc_handle(GPU, e.ipc_handle()).unwrap();
+    assert_eq!(again.ipc_handle(), e.ipc_handle());
+}
+
+/// torch's test_event_handle_exporter: the child creates and records an event and sends
+/// it; the parent waits on it.
+fn test_event_handle_exporter() {
+    let q: Queue<(Event, Tensor)> = Queue::new().unwrap();
+    let done: Queue<bool> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, done): (Queue<(Event, Tensor)>, Queue<bool>)| {
+            let mut t = Tensor::zeros_on(&[8], DType::F32, Device::Cuda(0)).unwrap();
+            t.fill(3.0f32).unwrap();
+            let e = Event::new(Device::Cuda(0)).unwrap();
+            e.record().unwrap();
+            q.put((e, t)).unwrap();
+            // The event must outlive the parent's use of its handle.
+            assert!(done.get().unwrap());
+        },
+        (q.clone(), done.clone()),
+        1,
+    )
+    .unwrap();
+    let (e, t) = q.get().unwrap();
+    e.synchronize().unwrap();
+    assert!(e.query().unwrap());
+    assert_eq!(t.to_vec::<f32>().unwrap(), vec![3.0; 8]);
+    done.put(true).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// Sends `v` to a worker and back.
+fn round_trip(v: Vec<Tensor>) -> Vec<Tensor> {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let back: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<Tensor>>)| back.put(q.get().unwrap()).unwrap(),
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    q.put(v).unwrap();
+    let r = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    r
+}
+
+/// torch's test_empty_tensor_sharing_cuda.
+fn test_empty_tensor_sharing_cuda() {
+    let v = vec![
+        Tensor::zeros_on(&[0], DType::F32, GPU).unwrap(),
+        Tensor::zeros_on(&[0], DType::I64, GPU).unwrap(),
+    ];
+    let r = round_trip(v.clone());
+    assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
+    assert_eq!(r[1].dtype(), DType::I64);
+    assert_eq!(r[0].device(), GPU);
+}
+
+/// torch's test_cuda_variable_sharing: requires_grad travels; the worker sees the values
+/// and its write is seen by the parent.
+fn test_cuda_variable_sharing() {
+    for requires_grad in [true, false] {
+        let mut var = cuda_tensor((1..=25).map(|v| v as f32).collect(), &[5, 5]);
+        var.set_requires_grad(requires_grad).unwrap();
+        let q: Queue<Tensor> = Queue::new().unwrap();
+        q.put(var.clone()).unwrap();
+        let mut ctx = spawn(
+            |_rank, (q, requires_grad): (Queue<Tensor>, bool)| {
+                let v = q.get().unwrap();
+                assert_eq!(v.requires_grad(), requires_grad);
+                assert_eq!(v.to_vec::<f32>().unwrap(), (1..=25).map(|v| v as f32).collect::<Vec<_>>());
+                v.narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap().fill(-1.0f32).unwrap();
+            },
+            (q.clone(), requires_grad),
+            1,
+        )
+        .unwrap();
+        assert_eq!(ctx.join(None), Ok(true));
+        assert_eq!(var.to_vec::<f32>().unwrap()[0], -1.0);
+    }
+}
+
+/// torch's test_mixed_types_cuda_sharing: a float and a byte view of one allocation stay
+/// one allocation, and a write through one is seen through the other.
+fn test_mixed_types_cuda_sharing() {
+    let floats = cuda_tensor(vec![0.0; 4], &[4]);
+    let bytes = Tensor::from_storage(floats.storage().clone(), DType::U8, &[16], &[1], 0).unwrap();
+    assert_eq!(bytes.device(), GPU);
+    let q: Queue<(Tensor, Tensor)> = Queue::new().unwrap();
+    q.put((floats.clone(), bytes)).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<(Tensor, Tensor)>| {
+            let (f, b) = q.get().unwrap();
+            assert!(f.storage().ptr_eq(b.storage()));
+            // 1.0f32 is 00 00 80 3f: write its bytes through the byte view.
+            b.narrow(0, 2, 1).unwrap().fill(0x80u8).unwrap();
+            b.narrow(0, 3, 1).unwrap().fill(0x3fu8).unwrap();
+            assert_eq!(f.to_vec::<f32>().unwrap()[0], 1.0);
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(floats.to_vec::<f32>().unwrap(), vec![1.0, 0.0, 0.0, 0.0]);
+}
+
+/// torch's test_cuda_parameter_sharing: a parameter stays a parameter and comes back as the
+/// same storage.
+fn test_cuda_parameter_sharing() {
+    let p = cuda_tensor(vec![1.0, 2.0, 3.0], &[3]).into_parameter();
+    let r = round_trip(vec![p.clone()]);
+    assert_eq!(r[0].kind(), TensorKind::Parameter);
+    assert!(r[0].requires_grad());
+    assert!(r[0].storage().ptr_eq(p.storage()), "back in its creator: the same storage");
+}
+
+/// torch's test_integer_parameter_serialization_cuda.
+fn test_integer_parameter_serialization_cuda() {
+    let ip = Tensor::from_vec(vec![0i64], &[1]).unwrap().to_device(GPU).unwrap().into_parameter();
+    let mut ctx = spawn(
+        |_rank, ip: Tensor| {
+            assert_eq!(ip.kind(), TensorKind::Parameter);
+            assert!(!ip.requires_grad());
+            assert_eq!(ip.to_vec::<i64>().unwrap(), vec![0]);
+        },
+        ip,
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// torch's test_is_shared_cuda: a CUDA tensor is always shared.
+fn test_is_shared_cuda() {
+    let t = Tensor::zeros_on(&[5, 5], DType::F32, GPU).unwrap();
+    assert!(t.is_shared());
+    assert!(t.storage().is_shared());
+    assert_eq!(t.storage().sharing_strategy(), None);
+}
+
+/// torch's test_cuda_bad_call and test_wrong_cuda_fork: once this process has initialised
+/// CUDA, a Fork worker is refused with torch's message, before anything is forked; Spawn
+/// workers use CUDA as they like.
+fn test_wrong_cuda_fork() {
+    let t = Tensor::zeros_on(&[4], DType::F32, GPU).unwrap();
+    let err = start_processes(|_rank, _t: Tensor| {}, t.clone(), 1, StartMethod::Fork).unwrap_err();
+    assert!(matches!(err, Error::Device(_)), "{err:?}");
+    assert!(err.to_string().contains("Cannot re-initialize CUDA in forked subprocess"), "{err}");
+    let mut ctx = start_processes(
+        |_rank, t: Tensor| assert_eq!(t.to_vec::<f32>().unwrap(), vec![0.0; 4]),
+        t.clone(),
+        1,
+        StartMethod::Spawn,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// The fork server is a fresh process that never initialised CUDA, so its workers may use
+/// it after the parent did. (Outside the leak checker: the server stays for later workers.)
+#[test]
+fn forkserver_workers_use_cuda_after_the_parent_did() {
+    common::isolated_with(
+        |_rank, ()| {
+            std::env::set_var(cuda::DRIVER_ENV, "simulated");
+            let t = Tensor::full(&[4], 1.5f32).to_device(GPU).unwrap();
+            let mut ctx = start_processes(
+                |_rank, t: Tensor| assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.5; 4]),
+                t,
+                2,
+                StartMethod::ForkServer,
+            )
+            .unwrap();
+            assert_eq!(ctx.join(None), Ok(true));
+        },
+        (),
+    );
+}
+
+/// torch pins a producer's memory until the producer exits when a consumer dies holding
+/// it. Here a SIGKILLed consumer gives it back: the kernel closes its lease.
+fn a_killed_consumer_gives_its_memory_back() {
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    let got: Queue<bool> = Queue::new().unwrap();
+    let never: Queue<bool> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, got, never): (Queue<Tensor>, Queue<bool>, Queue<bool>)| {
+            let t = q.get().unwrap();
+            got.put(true).unwrap();
+            // Hold the tensor until killed (nobody puts on `never`).
+            let _ = never.get();
+            drop(t);
+        },
+        (q.clone(), got.clone(), never.clone()),
+        1,
+    )
+    .unwrap();
+    q.put(Tensor::full(&[1 << 16], 2.0f32).to_device(GPU).unwrap()).unwrap();
+    assert!(got.get().unwrap());
+    assert_eq!(cuda::collect(), 0);
+    assert_eq!(cuda::memory_stats().held_allocations, 1, "held for the consumer");
+    let pid = ctx.pids()[0];
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let err = ctx.join(None).unwrap_err();
+    assert!(err.to_string().contains("SIGKILL"), "{err}");
+    assert!(cuda::collect() >= 1 << 18, "the killed consumer's hold is released");
+    assert_eq!(cuda::memory_stats().allocated, 0);
+}
+
+/// torch refuses to send a received CUDA tensor on. Here a worker relays what it got to a
+/// third process, which writes it; the creator sees the write, and its memory is freed only
+/// after both holders are done.
+fn a_received_tensor_is_relayed_to_a_third_process() {
+    let to_b: Queue<Tensor> = Queue::new().unwrap();
+    let to_c: Queue<Tensor> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |rank, (to_b, to_c): (Queue<Tensor>, Queue<Tensor>)| {
+            if rank == 0 {
+                let t = to_b.get().unwrap();
+                to_c.put(t).unwrap(); // and drops its own hold at once
+            } else {
+                let mut t = to_c.get().unwrap();
+                assert_eq!(t.to_vec::<i64>().unwrap(), vec![5; 10]);
+                t.fill(6i64).unwrap();
+                cuda::synchronize(Device::Cuda(0)).unwrap();
+            }
+        },
+        (to_b.clone(), to_c.clone()),
+        2,
+    )
+    .unwrap();
+    let t = Tensor::full(&[10], 5i64).to_device(GPU).unwrap();
+    to_b.put(t.clone()).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(t.to_vec::<i64>().unwrap(), vec![6; 10]);
+    drop(t);
+    assert_eq!(cuda::memory_stats().allocated, 0, "both holders are gone: freed at the drop");
+}
+
+/// Offsets, strides and a transposed view arrive as views of one storage.
+fn views_and_offsets_survive_the_trip() {
+    let x = cuda_tensor((0..24).map(|v| v as f32).collect(), &[4, 6]);
+    let views = vec![x.clone(), x.narrow(1, 2, 3).unwrap(), x.t().unwrap(), x.select(0, 3).unwrap()];
+    let r = round_trip(views.clone());
+    for (a, b) in r.iter().zip(&views) {
+        assert_eq!(a.shape(), b.shape());
+        assert_eq!(a.strides(), b.strides());
+        assert_eq!(a.storage_offset(), b.storage_offset());
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert!(a.storage().ptr_eq(x.storage()));
+    }
+    let c = r[2].contiguous().unwrap();
+    assert!(c.is_contiguous() && c.device() == GPU);
+    assert_eq!(c.to_vec::<f32>().unwrap(), x.t().unwrap().to_vec::<f32>().unwrap());
+}
+
+/// Without the `cuda` layer present (no GPU, no simulation), every CUDA call is an error
+/// that says why, never a panic.
+#[test]
+fn without_a_gpu_cuda_calls_are_clear_errors() {
+    common::isolated_with(
+        |_rank, ()| {
+            std::env::set_var(cuda::DRIVER_ENV, "cuda");
+            match cuda::device_count() {
+                Ok(n) if n > 0 => eprintln!("this machine has {n} CUDA device(s): nothing to check here"),
+                Ok(_) | Err(_) => {
+                    let e = Tensor::zeros_on(&[4], DType::F32, Device::Cuda(0)).unwrap_err();
+                    assert!(matches!(e, Error::Device(_)), "{e:?}");
+                    let e = Tensor::zeros(&[4], DType::F32).to_device(Device::Cuda(0)).unwrap_err();
+                    assert!(matches!(e, Error::Device(_)), "{e:?}");
+                    assert!(Event::new(Device::Cuda(0)).is_err());
+                    assert!(!cuda::is_available());
+                }
+            }
+        },
+        (),
+    );
+}
+
+/// A bad driver name is a parse error, and a device that does not exist is a device error.
+#[test]
+fn bad_driver_names_and_devices_are_errors() {
+    common::isolated_with(
+        |_rank, ()| {
+            std::env::set_var(cuda::DRIVER_ENV, "simulated:3");
+            assert_eq!(cuda::device_count().unwrap(), 3);
+            assert_eq!(cuda::driver_name().unwrap(), "simulated");
+            let e = Tensor::zeros_on(&[4], DType::F32, Device::Cuda(3)).unwrap_err();
+            assert!(e.to_string().contains("cuda:3 does not exist"), "{e}");
+        },
+        (),
+    );
+    common::isolated_with(
+        |_rank, ()| {
+            std::env::set_var(cuda::DRIVER_ENV, "quantum");
+            let e = cuda::device_count().unwrap_err();
+            assert!(e.to_string().contains("expected `cuda`, `simulated`"), "{e}");
+        },
+        (),
+    );
+}
