@@ -45,11 +45,30 @@ pub fn run(w: &Workload, strategy: SharingStrategy) -> Result<Figures, String> {
     set_sharing_strategy(strategy).map_err(|e| e.to_string())?;
     let a = &w.args;
     match w.name.as_str() {
-        "pingpong" => pingpong(arg(a, 0, "SIZE")?, arg(a, 1, "ROUNDS")?, &arg::<String>(a, 2, "fresh|same")?),
+        "pingpong" => pingpong(
+            arg(a, 0, "SIZE")?,
+            arg(a, 1, "ROUNDS")?,
+            &arg::<String>(a, 2, "fresh|same")?,
+            tensorshare::Device::Cpu,
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda_pingpong" => pingpong(
+            arg(a, 0, "SIZE")?,
+            arg(a, 1, "ROUNDS")?,
+            &arg::<String>(a, 2, "fresh|same")?,
+            tensorshare::Device::Cuda(0),
+        ),
         "stream" => stream(arg(a, 0, "SIZE")?, arg(a, 1, "COUNT")?, strategy),
         "batch" => batch(arg(a, 0, "SIZE")?, arg(a, 1, "K")?, arg(a, 2, "COUNT")?, strategy),
         "spawn" => spawn_workers(arg(a, 0, "N")?),
-        other => Err(format!("unknown workload {other:?}; expected pingpong, stream, batch or spawn")),
+        other => Err(format!(
+            "unknown workload {other:?}; expected pingpong, stream, batch, spawn{}",
+            if cfg!(feature = "cuda") {
+                " or cuda_pingpong"
+            } else {
+                " (cuda_pingpong needs --features cuda)"
+            }
+        )),
     }
     .map_err(|e| format!("{} {}: {e}", w.name, w.args.join(" ")))
 }
@@ -66,6 +85,20 @@ fn fresh(n: usize, v: f32) -> Result<Tensor, String> {
     Ok(t)
 }
 
+/// `fresh` on `device`: in shared memory on the host, a device allocation of its own on a
+/// CUDA device.
+fn fresh_on(device: tensorshare::Device, n: usize, v: f32) -> Result<Tensor, String> {
+    match device {
+        #[cfg(feature = "cuda")]
+        tensorshare::Device::Cuda(_) => {
+            let mut t = Tensor::empty_on(&[n], DType::F32, device).map_err(err)?;
+            t.fill(v).map_err(err)?;
+            Ok(t)
+        }
+        _ => fresh(n, v),
+    }
+}
+
 fn echo(_rank: usize, (to, from, rounds): (Queue<Tensor>, Queue<Tensor>, usize)) {
     for _ in 0..rounds {
         let t = to.get().expect("pingpong: get");
@@ -73,7 +106,7 @@ fn echo(_rank: usize, (to, from, rounds): (Queue<Tensor>, Queue<Tensor>, usize))
     }
 }
 
-fn pingpong(size: usize, rounds: usize, mode: &str) -> Result<Figures, String> {
+fn pingpong(size: usize, rounds: usize, mode: &str, device: tensorshare::Device) -> Result<Figures, String> {
     let same_mode = match mode {
         "same" => true,
         "fresh" => false,
@@ -83,9 +116,9 @@ fn pingpong(size: usize, rounds: usize, mode: &str) -> Result<Figures, String> {
     let to: Queue<Tensor> = Queue::new().map_err(err)?;
     let from: Queue<Tensor> = Queue::new().map_err(err)?;
     let mut ctx = spawn(echo, (to.clone(), from.clone(), rounds + 50), 1).map_err(err)?;
-    let same = fresh(n, 1.0)?;
+    let same = fresh_on(device, n, 1.0)?;
     let one = |t0: Instant| -> Result<Duration, String> {
-        let t = if same_mode { same.clone() } else { fresh(n, 1.0)? };
+        let t = if same_mode { same.clone() } else { fresh_on(device, n, 1.0)? };
         to.put(t).map_err(err)?;
         let r = from.get().map_err(err)?;
         let rtt = t0.elapsed();

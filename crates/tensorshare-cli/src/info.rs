@@ -19,7 +19,21 @@ pub fn run() -> tensorshare::Result<()> {
         Err(e) => println!("free in {:<13} unknown: {e}", dir.display()),
     }
     println!("free for memfd        {} (file_descriptor)", human(available_bytes(None)));
+    println!("cuda                 {}", cuda());
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn cuda() -> String {
+    match (tensorshare::cuda::driver_name(), tensorshare::cuda::device_count()) {
+        (Ok(driver), Ok(n)) => format!("{n} device{} ({driver} driver)", if n == 1 { "" } else { "s" }),
+        (Err(e), _) | (_, Err(e)) => format!("unavailable: {e}"),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda() -> String {
+    "not built (build with --features cuda)".into()
 }
 
 fn fd_limit() -> (String, String) {

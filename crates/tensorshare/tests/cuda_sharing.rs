@@ -9,8 +9,11 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::type_complexity)] // queues of tuples, spelled out in each test
 
+use tensorshare::channel::SharedFd;
 use tensorshare::cuda::{self, Event};
-use tensorshare::{spawn, start_processes, DType, Device, Error, Queue, StartMethod, Tensor, TensorKind};
+use tensorshare::{
+    spawn, start_processes, wire, DType, Device, Error, Queue, StartMethod, Tensor, TensorKind,
+};
 
 tensorshare::enable_test_workers!();
 
@@ -90,6 +93,8 @@ each_driver!(
     a_killed_consumer_gives_its_memory_back,
     a_received_tensor_is_relayed_to_a_third_process,
     views_and_offsets_survive_the_trip,
+    test_event_handle_multi_gpu,
+    test_rebuild_cuda_tensor,
 );
 
 fn cuda_tensor(values: Vec<f32>, shape: &[usize]) -> Tensor {
@@ -655,4 +660,106 @@ fn bad_driver_names_and_devices_are_errors() {
         },
         (),
     );
+}
+
+/// torch's test_event_handle_multi_gpu: events of two devices keep their device through a
+/// queue, and a handle named with the wrong device is refused where that is known.
+fn test_event_handle_multi_gpu() {
+    if cuda::device_count().unwrap() < 2 {
+        return eprintln!("skipped: fewer than two CUDA devices");
+    }
+    let (e0, e1) = (Event::new(Device::Cuda(0)).unwrap(), Event::new(Device::Cuda(1)).unwrap());
+    e0.record().unwrap();
+    e1.record().unwrap();
+    let q: Queue<Vec<Event>> = Queue::new().unwrap();
+    q.put(vec![e0.clone(), e1.clone()]).unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<Vec<Event>>| {
+            let evs = q.get().unwrap();
+            assert_eq!(evs[0].device(), Device::Cuda(0));
+            assert_eq!(evs[1].device(), Device::Cuda(1));
+            for e in &evs {
+                e.synchronize().unwrap();
+            }
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let err = Event::from_ipc_handle(Device::Cuda(1), e0.ipc_handle()).unwrap_err();
+    assert!(err.to_string().contains("an event of cuda:0 arrived as an event of cuda:1"), "{err}");
+}
+
+/// A CUDA tensor's message, as bytes and descriptors, for decoding by hand.
+type RawMessage = (Vec<u8>, Vec<SharedFd>);
+
+/// torch's test_rebuild_cuda_tensor, and the decoder against damaged CUDA messages: a
+/// worker encodes CUDA tensors and hands over the bare message; this process rebuilds the
+/// tensors from it, then decodes mutated copies (flipped bytes, cut lengths, descriptors
+/// swapped or missing), each of which must give a value that reads back in bounds or an
+/// error, never a panic.
+fn test_rebuild_cuda_tensor() {
+    let q: Queue<RawMessage> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, q: Queue<RawMessage>| {
+            let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[3, 4])
+                .unwrap()
+                .to_device(Device::Cuda(0))
+                .unwrap();
+            let msg = wire::encode(&(x.clone(), x.narrow(1, 1, 2).unwrap())).unwrap();
+            // The allocation and its lease: two descriptors, whatever the number of views.
+            assert_eq!(msg.fds().len(), 2);
+            let fds = msg.fds().iter().map(|f| SharedFd::new(f.try_clone_to_owned().unwrap())).collect();
+            q.put((msg.to_vec(), fds)).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    let (bytes, fds) = q.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let owned = |fds: &[SharedFd]| -> Vec<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect()
+    };
+    let (x, col): (Tensor, Tensor) = wire::decode(&bytes, owned(&fds)).unwrap();
+    assert_eq!(x.device(), GPU);
+    assert!(x.storage().ptr_eq(col.storage()));
+    assert_eq!(col.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+    drop((x, col));
+
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut ok, mut err) = (0, 0);
+    for case in 0..400 {
+        let mut b = bytes.clone();
+        let mut f = owned(&fds);
+        match case % 4 {
+            0 => {
+                let i = next() as usize % b.len();
+                b[i] ^= 1 << (next() % 8);
+            }
+            1 => b.truncate(next() as usize % b.len()),
+            2 => f.reverse(),
+            _ => {
+                f.remove(next() as usize % f.len());
+            }
+        }
+        match wire::decode::<(Tensor, Tensor)>(&b, f) {
+            Ok((x, col)) => {
+                let n =
+                    x.to_bytes().map(|v| v.len()).unwrap_or(0) + col.to_bytes().map(|v| v.len()).unwrap_or(0);
+                assert!(n <= 2 * 48);
+                ok += 1;
+            }
+            Err(_) => err += 1,
+        }
+    }
+    assert!(err > 0 && ok + err == 400, "{ok} decoded, {err} refused");
 }

@@ -135,8 +135,11 @@ impl Allocation {
             Some(e) => e.clone(),
             None => {
                 let mem = self.mem.as_ref().ok_or_else(|| Error::Device("a released allocation".into()))?;
-                let e = backend()?.export(self.device, mem)?;
-                st.export = Some(e.clone());
+                let b = backend()?;
+                let e = b.export(self.device, mem)?;
+                if b.keeps_exports() {
+                    st.export = Some(e.clone());
+                }
                 e
             }
         };
@@ -203,7 +206,10 @@ impl Allocation {
             ptr: mapped.ptr,
             size,
             mem: Some(mapped.mem),
-            state: Mutex::new(State { export: Some(export), lease: Lease::Holder(Arc::new(lease)) }),
+            state: Mutex::new(State {
+                export: b.keeps_exports().then_some(export),
+                lease: Lease::Holder(Arc::new(lease)),
+            }),
         })
     }
 

@@ -134,6 +134,14 @@ impl Backend {
         }
     }
 
+    /// Whether an allocation's export is kept for later sends. The driver's exports are
+    /// kept (an export is a driver call, and an imported VMM handle or legacy pointer is
+    /// sent on with the handle it came with); the simulated device re-exports its mapping's
+    /// descriptor for each send, so a holder keeps one descriptor less.
+    pub(crate) fn keeps_exports(&self) -> bool {
+        matches!(self, Backend::Real(_))
+    }
+
     pub(crate) fn export(&self, dev: u32, mem: &Mem) -> Result<Export> {
         match self {
             Backend::Real(r) => r.export(dev, mem),
