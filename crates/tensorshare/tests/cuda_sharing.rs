@@ -40,7 +40,7 @@ macro_rules! on_driver {
                 for _ in 0..crate::common::repeats() {
                     $body();
                 }
-                tensorshare::cuda::collect();
+                tensorshare::cuda::empty_cache();
                 assert_eq!(
                     tensorshare::cuda::memory_stats(),
                     tensorshare::cuda::MemoryStats::default(),
@@ -93,6 +93,7 @@ each_driver!(
     a_killed_consumer_gives_its_memory_back,
     a_received_tensor_is_relayed_to_a_third_process,
     views_and_offsets_survive_the_trip,
+    a_reused_allocation_is_a_new_one_to_receivers,
     test_event_handle_multi_gpu,
     test_rebuild_cuda_tensor,
 );
@@ -175,7 +176,10 @@ fn test_cuda_memory_allocation() {
     release.put(true).unwrap();
     assert_eq!(ctx.join(None), Ok(true));
     assert_eq!(cuda::collect(), held.held_for_others);
-    assert_eq!(cuda::memory_stats().allocated, 0);
+    let after = cuda::memory_stats();
+    assert_eq!(after.allocated, 0);
+    assert_eq!(after.cached, held.held_for_others, "kept for reuse");
+    assert_eq!(cuda::empty_cache(), held.held_for_others);
 }
 
 /// torch's test_cuda_ipc_deadlock: state dicts of CUDA tensors through a bounded queue,
@@ -762,4 +766,36 @@ fn test_rebuild_cuda_tensor() {
         }
     }
     assert!(err > 0 && ok + err == 400, "{ok} decoded, {err} refused");
+}
+
+/// A freed allocation is reused for the next tensor of its size, under a new identity: a
+/// receiver that held the old tensor maps the new one afresh and sees its new contents.
+fn a_reused_allocation_is_a_new_one_to_receivers() {
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    let back: Queue<Vec<f32>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Tensor>, Queue<Vec<f32>>)| {
+            for _ in 0..2 {
+                let t = q.get().unwrap();
+                let v = t.to_vec::<f32>().unwrap();
+                drop(t); // closes this process's hold before the reply
+                back.put(v).unwrap();
+            }
+        },
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    let first = Tensor::full(&[4096], 1.0f32).to_device(GPU).unwrap();
+    let ptr = first.device_ptr().unwrap();
+    q.put(first).unwrap(); // our own handle goes with it
+    assert_eq!(back.get().unwrap(), vec![1.0; 4096]);
+    // The worker dropped it before replying: its hold is closed, the allocation is free.
+    assert!(cuda::collect() >= 4 * 4096);
+    assert!(cuda::memory_stats().cached >= 4 * 4096);
+    let second = Tensor::full(&[4096], 2.0f32).to_device(GPU).unwrap();
+    assert_eq!(second.device_ptr().unwrap(), ptr, "the free allocation is reused");
+    q.put(second).unwrap();
+    assert_eq!(back.get().unwrap(), vec![2.0; 4096]);
+    assert_eq!(ctx.join(None), Ok(true));
 }

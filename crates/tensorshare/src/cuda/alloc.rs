@@ -87,16 +87,72 @@ struct Draining {
     export: Option<Export>,
 }
 
-#[derive(Default)]
+/// A free allocation kept for reuse: nothing in any process refers to it any more.
+struct Free {
+    device: u32,
+    mapped: Mapped,
+    export: Option<Export>,
+}
+
+/// Free allocations kept for reuse, in bytes, before the oldest are released.
+const CACHE_BYTES: usize = 1 << 30;
+/// ... and in number (each may keep a descriptor).
+const CACHE_COUNT: usize = 256;
+
 struct Registry {
-    /// Bytes allocated by this process and not yet freed.
+    /// Bytes of this process's allocations in use here or held elsewhere.
     allocated: usize,
     draining: Vec<Draining>,
+    /// Oldest first.
+    free: std::collections::VecDeque<Free>,
+    free_bytes: usize,
 }
 
 fn registry() -> MutexGuard<'static, Registry> {
-    static R: Mutex<Registry> = Mutex::new(Registry { allocated: 0, draining: Vec::new() });
+    static R: Mutex<Registry> = Mutex::new(Registry {
+        allocated: 0,
+        draining: Vec::new(),
+        free: std::collections::VecDeque::new(),
+        free_bytes: 0,
+    });
     R.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Registry {
+    /// An allocation nobody refers to any more: kept for reuse, and what the bounds push out
+    /// returned for release.
+    fn retire(&mut self, f: Free) -> Vec<Free> {
+        self.allocated = self.allocated.saturating_sub(f.mapped.size);
+        self.free_bytes += f.mapped.size;
+        self.free.push_back(f);
+        let mut out = Vec::new();
+        while self.free_bytes > CACHE_BYTES || self.free.len() > CACHE_COUNT {
+            let Some(old) = self.free.pop_front() else { break };
+            self.free_bytes -= old.mapped.size;
+            out.push(old);
+        }
+        out
+    }
+
+    /// A free allocation on `device` that fits `len` without wasting more than half.
+    fn reuse(&mut self, device: u32, len: usize) -> Option<Free> {
+        let fits = |f: &Free| {
+            f.device == device
+                && f.mapped.size >= len
+                && (f.mapped.size / 2 <= len || f.mapped.size <= 2 << 20)
+        };
+        let i = self.free.iter().rposition(fits)?;
+        let f = self.free.remove(i)?;
+        self.free_bytes -= f.mapped.size;
+        self.allocated += f.mapped.size;
+        Some(f)
+    }
+}
+
+fn release_all(b: &super::driver::Backend, out: Vec<Free>) {
+    for f in out {
+        b.release(f.device, f.mapped.mem);
+    }
 }
 
 /// Whether every write end of a lease pipe is closed.
@@ -111,16 +167,25 @@ impl Allocation {
     /// A new allocation of at least `len` bytes on `device`; contents unspecified.
     pub(crate) fn new(device: u32, len: usize) -> Result<Allocation> {
         let b = backend()?;
+        b.check_device(device)?;
         collect_with(b);
-        let mapped = b.alloc(device, len)?;
-        registry().allocated += mapped.size;
+        let reused = registry().reuse(device, len);
+        let (mapped, export) = match reused {
+            Some(f) => (f.mapped, f.export),
+            None => {
+                let mapped = b.alloc(device, len)?;
+                registry().allocated += mapped.size;
+                (mapped, None)
+            }
+        };
+        // A fresh id even for a reused allocation: no receiver may take it for the old one.
         Ok(Allocation {
             device,
             id: AllocId::fresh(),
             ptr: mapped.ptr,
             size: mapped.size,
             mem: Some(mapped.mem),
-            state: Mutex::new(State { export: None, lease: Lease::Creator(None) }),
+            state: Mutex::new(State { export, lease: Lease::Creator(None) }),
         })
     }
 
@@ -259,17 +324,16 @@ impl Drop for Allocation {
         match state.lease {
             Lease::Holder(_) => b.release(self.device, mem), // the lease closes with `state`
             Lease::Creator(None) => {
-                b.release(self.device, mem);
-                let mut r = registry();
-                r.allocated = r.allocated.saturating_sub(self.size);
+                let mapped = Mapped { mem, ptr: self.ptr, size: self.size };
+                let out = registry().retire(Free { device: self.device, mapped, export: state.export });
+                release_all(b, out);
             }
             Lease::Creator(Some(LeasePipe { read, write })) => {
                 drop(write);
                 let mapped = Mapped { mem, ptr: self.ptr, size: self.size };
                 if hung_up(&read) {
-                    b.release(self.device, mapped.mem);
-                    let mut r = registry();
-                    r.allocated = r.allocated.saturating_sub(self.size);
+                    let out = registry().retire(Free { device: self.device, mapped, export: state.export });
+                    release_all(b, out);
                 } else {
                     registry().draining.push(Draining {
                         device: self.device,
@@ -284,9 +348,10 @@ impl Drop for Allocation {
     }
 }
 
-/// Frees the allocations this process made, no longer uses, and that no other process or
-/// message holds any more (their holders dropped them, exited or were killed). Returns the
-/// bytes freed. Runs on its own at every CUDA allocation.
+/// Reclaims the allocations this process made, no longer uses, and that no other process
+/// or message holds any more (their holders dropped them, exited or were killed): they
+/// join the cache of free allocations that new CUDA tensors reuse (see [`empty_cache`]).
+/// Returns the bytes reclaimed. Runs on its own at every CUDA allocation.
 pub fn collect() -> usize {
     match backend() {
         Ok(b) => collect_with(b),
@@ -312,16 +377,30 @@ fn collect_with(b: &super::driver::Backend) -> usize {
         let all = std::mem::take(&mut r.draining);
         let (done, keep): (Vec<_>, Vec<_>) = all.into_iter().zip(gone).partition(|(_, g)| *g);
         r.draining = keep.into_iter().map(|(d, _)| d).collect();
-        let freed: usize = done.iter().map(|(d, _)| d.mapped.size).sum();
-        r.allocated = r.allocated.saturating_sub(freed);
         done.into_iter().map(|(d, _)| d).collect()
     };
-    let mut freed = 0;
+    let mut reclaimed = 0;
     for d in done {
-        freed += d.mapped.size;
-        b.release(d.device, d.mapped.mem);
+        reclaimed += d.mapped.size;
+        let out = registry().retire(Free { device: d.device, mapped: d.mapped, export: d.export });
+        release_all(b, out); // `d.read` closes here
     }
-    freed
+    reclaimed
+}
+
+/// Gives every free allocation kept for reuse back to the driver (torch's
+/// `torch.cuda.empty_cache()`); returns the bytes released.
+pub fn empty_cache() -> usize {
+    let Ok(b) = backend() else { return 0 };
+    collect_with(b);
+    let out: Vec<Free> = {
+        let mut r = registry();
+        r.free_bytes = 0;
+        r.free.drain(..).collect()
+    };
+    let n = out.iter().map(|f| f.mapped.size).sum();
+    release_all(b, out);
+    n
 }
 
 /// Memory of this process's device allocations.
@@ -333,6 +412,8 @@ pub struct MemoryStats {
     pub held_for_others: usize,
     /// Allocations kept for other holders.
     pub held_allocations: usize,
+    /// Bytes of free allocations kept for reuse (not counted in `allocated`).
+    pub cached: usize,
 }
 
 /// This process's device memory, as [`collect`] last left it.
@@ -342,5 +423,6 @@ pub fn memory_stats() -> MemoryStats {
         allocated: r.allocated,
         held_for_others: r.draining.iter().map(|d| d.mapped.size).sum(),
         held_allocations: r.draining.len(),
+        cached: r.free_bytes,
     }
 }

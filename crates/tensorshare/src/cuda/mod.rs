@@ -18,7 +18,9 @@
 //! stream; the receiver's stream waits on it before the tensor is handed out, so the
 //! receiver's work on that stream sees everything the sender queued before the send.
 //! Work queued on other streams must be ordered with this one by the program (or with an
-//! [`Event`]).
+//! [`Event`]). Device-side work (`fill`, `zeros_on`) is asynchronous: a process that writes
+//! a tensor and then exits without sending it should [`synchronize`] first. Copies to the
+//! host return when they are done.
 //!
 //! **Fork.** A process that initialised CUDA cannot start workers with
 //! [`crate::StartMethod::Fork`]: that is an error at once, and CUDA calls in a child forked
@@ -37,7 +39,7 @@ mod event;
 mod real;
 mod sim;
 
-pub use alloc::{collect, memory_stats, MemoryStats};
+pub use alloc::{collect, empty_cache, memory_stats, MemoryStats};
 pub(crate) use alloc::{AllocId, Allocation};
 pub use driver::DRIVER_ENV;
 pub(crate) use driver::{Export, IpcBytes};

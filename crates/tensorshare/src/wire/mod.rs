@@ -699,6 +699,10 @@ fn resolve_device(d: &DeviceDesc, fds: &mut [Option<OwnedFd>]) -> Result<Storage
         }
     };
     if let Some(h) = event {
+        // An event that cannot be opened belongs to a sender that has exited (its queued
+        // work finished or was torn down with it: nothing is left to wait for) or is bogus
+        // (a peer that could forge it can write the memory anyway). Either way the storage
+        // is delivered; a driver that fails to *wait* is an error.
         crate::cuda::wait_received(d.device, &h)?;
     }
     Ok(storage)
