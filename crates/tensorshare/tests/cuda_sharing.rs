@@ -505,8 +505,33 @@ fn test_is_shared_cuda() {
 /// workers use CUDA as they like.
 fn test_wrong_cuda_fork() {
     let t = Tensor::zeros_on(&[4], DType::F32, GPU).unwrap();
+    // A child forked by other means (this helper has no other threads) gets torch's error
+    // from its first CUDA call, and never touches the driver.
+    // SAFETY: the helper process is single-threaded here; the child only calls into this
+    // crate and then leaves with _exit, running no destructors or atexit handlers.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let refused = match Tensor::zeros_on(&[4], DType::F32, GPU) {
+            Err(e) => e.to_string().contains("Cannot re-initialize CUDA in forked subprocess"),
+            Ok(_) => false,
+        };
+        // SAFETY: leaves the forked child at once.
+        unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child forked above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the forked child used CUDA: {status}"
+    );
+
     let err = start_processes(|_rank, _t: Tensor| {}, t.clone(), 1, StartMethod::Fork).unwrap_err();
     assert!(matches!(err, Error::Device(_)), "{err:?}");
+    assert!(err.to_string().contains("Cannot re-initialize CUDA in forked subprocess"), "{err}");
+    // torch's test_cuda_bad_call: a forked pool.
+    let err = tensorshare::Pool::with_method(1, StartMethod::Fork).unwrap_err();
     assert!(err.to_string().contains("Cannot re-initialize CUDA in forked subprocess"), "{err}");
     let mut ctx = start_processes(
         |_rank, t: Tensor| assert_eq!(t.to_vec::<f32>().unwrap(), vec![0.0; 4]),
