@@ -389,29 +389,13 @@ fn test_event_handle_exporter() {
     assert_eq!(ctx.join(None), Ok(true));
 }
 
-/// Sends `v` to a worker and back.
-fn round_trip(v: Vec<Tensor>) -> Vec<Tensor> {
-    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
-    let back: Queue<Vec<Tensor>> = Queue::new().unwrap();
-    let mut ctx = spawn(
-        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<Tensor>>)| back.put(q.get().unwrap()).unwrap(),
-        (q.clone(), back.clone()),
-        1,
-    )
-    .unwrap();
-    q.put(v).unwrap();
-    let r = back.get().unwrap();
-    assert_eq!(ctx.join(None), Ok(true));
-    r
-}
-
 /// torch's test_empty_tensor_sharing_cuda.
 fn test_empty_tensor_sharing_cuda() {
     let v = vec![
         Tensor::zeros_on(&[0], DType::F32, GPU).unwrap(),
         Tensor::zeros_on(&[0], DType::I64, GPU).unwrap(),
     ];
-    let r = round_trip(v.clone());
+    let r = common::round_trip(v.clone());
     assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
     assert_eq!(r[1].dtype(), DType::I64);
     assert_eq!(r[0].device(), GPU);
@@ -470,7 +454,7 @@ fn test_mixed_types_cuda_sharing() {
 /// same storage.
 fn test_cuda_parameter_sharing() {
     let p = cuda_tensor(vec![1.0, 2.0, 3.0], &[3]).into_parameter();
-    let r = round_trip(vec![p.clone()]);
+    let r = common::round_trip(vec![p.clone()]);
     assert_eq!(r[0].kind(), TensorKind::Parameter);
     assert!(r[0].requires_grad());
     assert!(r[0].storage().ptr_eq(p.storage()), "back in its creator: the same storage");
@@ -479,17 +463,7 @@ fn test_cuda_parameter_sharing() {
 /// torch's test_integer_parameter_serialization_cuda.
 fn test_integer_parameter_serialization_cuda() {
     let ip = Tensor::from_vec(vec![0i64], &[1]).unwrap().to_device(GPU).unwrap().into_parameter();
-    let mut ctx = spawn(
-        |_rank, ip: Tensor| {
-            assert_eq!(ip.kind(), TensorKind::Parameter);
-            assert!(!ip.requires_grad());
-            assert_eq!(ip.to_vec::<i64>().unwrap(), vec![0]);
-        },
-        ip,
-        1,
-    )
-    .unwrap();
-    assert_eq!(ctx.join(None), Ok(true));
+    common::integer_parameter_reaches_a_worker(ip);
 }
 
 /// torch's test_is_shared_cuda: a CUDA tensor is always shared.
@@ -632,7 +606,7 @@ fn a_received_tensor_is_relayed_to_a_third_process() {
 fn views_and_offsets_survive_the_trip() {
     let x = cuda_tensor((0..24).map(|v| v as f32).collect(), &[4, 6]);
     let views = vec![x.clone(), x.narrow(1, 2, 3).unwrap(), x.t().unwrap(), x.select(0, 3).unwrap()];
-    let r = round_trip(views.clone());
+    let r = common::round_trip(views.clone());
     for (a, b) in r.iter().zip(&views) {
         assert_eq!(a.shape(), b.shape());
         assert_eq!(a.strides(), b.strides());

@@ -125,26 +125,10 @@ fn test_preserve_sharing(s: SharingStrategy) {
     assert!(back.0.ptr_eq(x.storage()), "back in the process that made it: the same storage");
 }
 
-/// Sends `v` to a worker, which sends it back; returns what came back.
-fn round_trip(v: Vec<Tensor>) -> Vec<Tensor> {
-    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
-    let back: Queue<Vec<Tensor>> = Queue::new().unwrap();
-    let mut ctx = spawn(
-        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<Tensor>>)| back.put(q.get().unwrap()).unwrap(),
-        (q.clone(), back.clone()),
-        1,
-    )
-    .unwrap();
-    q.put(v).unwrap();
-    let r = back.get().unwrap();
-    assert_eq!(ctx.join(None), Ok(true));
-    r
-}
-
 /// torch's test_empty_tensor_sharing: empty tensors of two dtypes.
 fn test_empty_tensor_sharing(s: SharingStrategy) {
     let v = vec![shared(Tensor::zeros(&[0], DType::F32), s), shared(Tensor::zeros(&[0], DType::I64), s)];
-    let r = round_trip(v.clone());
+    let r = common::round_trip(v.clone());
     assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
     assert!(r[0].is_shared());
 }
@@ -152,7 +136,7 @@ fn test_empty_tensor_sharing(s: SharingStrategy) {
 /// torch's test_tensor_sharing_meta: a meta tensor keeps its shape, dtype and device.
 fn test_tensor_sharing_meta(_s: SharingStrategy) {
     let v = vec![Tensor::meta(&[5, 5], DType::F32)];
-    let r = round_trip(v.clone());
+    let r = common::round_trip(v.clone());
     assert!(r[0].equal(&v[0]));
     assert_eq!(r[0].device(), tensorshare::Device::Meta);
     assert_eq!(r[0].shape(), &[5, 5]);
@@ -161,7 +145,7 @@ fn test_tensor_sharing_meta(_s: SharingStrategy) {
 /// torch's test_empty_tensor_sharing_meta.
 fn test_empty_tensor_sharing_meta(_s: SharingStrategy) {
     let v = vec![Tensor::meta(&[0], DType::F32), Tensor::meta(&[0], DType::I64)];
-    let r = round_trip(v.clone());
+    let r = common::round_trip(v.clone());
     assert!(r[0].equal(&v[0]) && r[1].equal(&v[1]));
     assert_eq!(r[1].dtype(), DType::I64);
 }
@@ -238,17 +222,7 @@ fn test_parameter_sharing(s: SharingStrategy) {
 /// require gradients) travels to a worker, which checks it.
 fn test_integer_parameter_serialization(s: SharingStrategy) {
     let ip = shared(Tensor::from_vec(vec![0i64], &[1]).unwrap(), s).into_parameter();
-    let mut ctx = spawn(
-        |_rank, ip: Tensor| {
-            assert_eq!(ip.kind(), TensorKind::Parameter);
-            assert!(!ip.requires_grad());
-            assert_eq!(ip.to_vec::<i64>().unwrap(), vec![0]);
-        },
-        ip,
-        1,
-    )
-    .unwrap();
-    assert_eq!(ctx.join(None), Ok(true));
+    common::integer_parameter_reaches_a_worker(ip);
 }
 
 /// Views made in the worker from a received tensor write the parent's memory.

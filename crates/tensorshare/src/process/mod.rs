@@ -1,5 +1,5 @@
 //! Worker processes: [`init`], [`spawn`], [`start_processes`], [`ProcessContext`],
-//! [`ProcessError`], and [`Pool`](crate::Pool).
+//! [`ProcessError`], and [`Pool`].
 //!
 //! A worker runs a Rust closure: one that captures nothing (the worker runs the same
 //! executable, so it has the same code), or one made with [`closure!`](crate::closure)

@@ -1,7 +1,7 @@
 //! Test support shared by the test files that start workers. Each test file uses a part.
 #![allow(dead_code)]
 
-use tensorshare::{start_processes, Job, StartMethod};
+use tensorshare::{spawn, start_processes, Job, Queue, StartMethod, Tensor, TensorKind};
 
 /// Runs `body(method)` in a fresh single-threaded process (a Spawn worker), and fails the
 /// calling test with the body's panic, location and backtrace if it fails.
@@ -85,4 +85,36 @@ where
     if let Err(e) = ctx.join(None) {
         panic!("{e:#}");
     }
+}
+
+/// Sends `v` to a worker, which sends it back; returns what came back.
+pub fn round_trip(v: Vec<Tensor>) -> Vec<Tensor> {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let back: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<Tensor>>)| back.put(q.get().unwrap()).unwrap(),
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    q.put(v).unwrap();
+    let r = back.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    r
+}
+
+/// torch's test_integer_parameter_serialization: an int64 parameter holding 0 (which cannot
+/// require gradients) reaches a worker, which checks its kind, flag and value.
+pub fn integer_parameter_reaches_a_worker(ip: Tensor) {
+    let mut ctx = spawn(
+        |_rank, ip: Tensor| {
+            assert_eq!(ip.kind(), TensorKind::Parameter);
+            assert!(!ip.requires_grad());
+            assert_eq!(ip.to_vec::<i64>().unwrap(), vec![0]);
+        },
+        ip,
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
 }
