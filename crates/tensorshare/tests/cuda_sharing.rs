@@ -94,6 +94,7 @@ each_driver!(
     a_received_tensor_is_relayed_to_a_third_process,
     views_and_offsets_survive_the_trip,
     a_reused_allocation_is_a_new_one_to_receivers,
+    an_allocation_coming_back_to_its_creator_is_checked,
     test_event_handle_multi_gpu,
     test_rebuild_cuda_tensor,
 );
@@ -797,4 +798,28 @@ fn a_reused_allocation_is_a_new_one_to_receivers() {
     q.put(second).unwrap();
     assert_eq!(back.get().unwrap(), vec![2.0; 4096]);
     assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// A tensor whose creator dropped its own handles comes back as the creator's allocation
+/// (not an import of it), and only with a genuine hold: a message naming it with a forged
+/// lease is refused, since that lease would be kept and sent on as other holders' hold.
+fn an_allocation_coming_back_to_its_creator_is_checked() {
+    let t = Tensor::full(&[256], 3.0f32).to_device(GPU).unwrap();
+    let msg = wire::encode(&t).unwrap();
+    drop(t);
+    assert_eq!(cuda::memory_stats().held_allocations, 1, "the unsent message holds it");
+    let fds: Vec<std::os::fd::OwnedFd> = msg.fds().iter().map(|f| f.try_clone_to_owned().unwrap()).collect();
+    assert_eq!(fds.len(), 2, "memory handle and lease");
+    let (_other_read, other_write) = rustix::pipe::pipe().unwrap();
+    let forged = vec![fds[0].try_clone().unwrap(), other_write];
+    let err = wire::decode::<Tensor>(&msg.to_vec(), forged).unwrap_err();
+    assert!(matches!(err, Error::InvalidMessage(_)), "{err:?}");
+    assert!(err.to_string().contains("lease that is not its own"), "{err}");
+    let back: Tensor = wire::decode(&msg.to_vec(), fds).unwrap();
+    assert_eq!(back.to_vec::<f32>().unwrap(), vec![3.0; 256]);
+    assert_eq!(cuda::memory_stats().held_allocations, 0, "in use here again");
+    drop(back);
+    drop(msg);
+    assert!(cuda::collect() >= 1024);
+    assert_eq!(cuda::memory_stats().allocated, 0);
 }

@@ -155,6 +155,13 @@ fn release_all(b: &super::driver::Backend, out: Vec<Free>) {
     }
 }
 
+/// Whether `fd` is a write end of the pipe whose read end is `read`.
+fn is_write_end_of(fd: &OwnedFd, read: &OwnedFd) -> bool {
+    let (Ok(a), Ok(b)) = (rustix::fs::fstat(fd), rustix::fs::fstat(read)) else { return false };
+    let write_only = rustix::fs::fcntl_getfl(fd).is_ok_and(|f| f.contains(rustix::fs::OFlags::WRONLY));
+    a.st_dev == b.st_dev && a.st_ino == b.st_ino && write_only
+}
+
 /// Whether every write end of a lease pipe is closed.
 fn hung_up(read: &OwnedFd) -> bool {
     let mut fds = [PollFd::new(read, PollFlags::IN)];
@@ -238,11 +245,18 @@ impl Allocation {
             i.map(|i| r.draining.swap_remove(i))
         };
         if let Some(d) = back {
-            if d.device != device || d.mapped.size != size {
-                let msg = format!(
+            let msg = if d.device != device || d.mapped.size != size {
+                Some(format!(
                     "a message names this process's allocation of {} bytes on cuda:{} as {size} bytes on cuda:{device}",
                     d.mapped.size, d.device
-                );
+                ))
+            } else if !is_write_end_of(&lease, &d.read) {
+                // Kept as this process's hold and sent on as others' holds: it must be one.
+                Some("a message names this process's allocation with a lease that is not its own".into())
+            } else {
+                None
+            };
+            if let Some(msg) = msg {
                 registry().draining.push(d);
                 return Err(Error::invalid(msg));
             }
