@@ -95,6 +95,7 @@ each_driver!(
     views_and_offsets_survive_the_trip,
     a_reused_allocation_is_a_new_one_to_receivers,
     an_allocation_coming_back_to_its_creator_is_checked,
+    fills_and_copies_of_every_element_size,
     test_event_handle_multi_gpu,
     test_rebuild_cuda_tensor,
 );
@@ -822,4 +823,39 @@ fn an_allocation_coming_back_to_its_creator_is_checked() {
     drop(msg);
     assert!(cuda::collect() >= 1024);
     assert_eq!(cuda::memory_stats().allocated, 0);
+}
+
+/// `fill` (device memsets of 1, 2 and 4 bytes, a host copy for 8), `zeros_on`, and copies
+/// to and from the host, on odd lengths and on a view in the middle of an allocation.
+fn fills_and_copies_of_every_element_size() {
+    let mut u8s = Tensor::zeros_on(&[7], DType::U8, GPU).unwrap();
+    u8s.narrow(0, 2, 3).unwrap().fill(0xabu8).unwrap();
+    assert_eq!(u8s.to_vec::<u8>().unwrap(), vec![0, 0, 0xab, 0xab, 0xab, 0, 0]);
+    let mut i16s = Tensor::zeros_on(&[1001], DType::I16, GPU).unwrap();
+    i16s.fill(-2i16).unwrap();
+    assert_eq!(i16s.to_vec::<i16>().unwrap(), vec![-2; 1001]);
+    let mut f32s = Tensor::empty_on(&[3, 333], DType::F32, GPU).unwrap();
+    f32s.fill(0.25f32).unwrap();
+    f32s.select(0, 1).unwrap().fill(-1.0f32).unwrap();
+    let v = f32s.to_vec::<f32>().unwrap();
+    assert!(v[..333].iter().chain(&v[666..]).all(|x| *x == 0.25) && v[333..666].iter().all(|x| *x == -1.0));
+    let mut i64s = Tensor::from_vec((0..9i64).collect(), &[9]).unwrap().to_device(GPU).unwrap();
+    i64s.narrow(0, 4, 5).unwrap().fill(i64::MIN).unwrap();
+    assert_eq!(
+        i64s.to_vec::<i64>().unwrap(),
+        [0, 1, 2, 3].into_iter().chain([i64::MIN; 5]).collect::<Vec<_>>()
+    );
+    // A strided view cannot be filled on the device (there are no kernels): an error.
+    assert!(matches!(f32s.t().unwrap().fill(1.0f32), Err(Error::NotContiguous { .. })));
+    // Host and device copies agree, through a second device too.
+    let host = Tensor::from_vec((0..12).map(|v| v as f32 * 0.5).collect(), &[3, 4]).unwrap();
+    let there = host.t().unwrap().to_device(GPU).unwrap();
+    assert!(there.is_contiguous());
+    assert!(there.to_cpu().unwrap().equal(&host.t().unwrap().contiguous().unwrap()));
+    if cuda::device_count().unwrap() > 1 {
+        let other = there.to_device(Device::Cuda(1)).unwrap();
+        assert_eq!(other.device(), Device::Cuda(1));
+        assert!(!other.equal(&there), "tensors on two devices are not equal");
+        assert!(other.to_cpu().unwrap().equal(&there.to_cpu().unwrap()));
+    }
 }

@@ -64,12 +64,21 @@ impl Sim {
     /// # Safety
     /// `count * pattern.len()` bytes from `dst` must lie in a live simulated allocation.
     pub(crate) unsafe fn memset(&self, dst: u64, pattern: &[u8], count: usize) {
-        let p = dst as *mut u8;
-        for i in 0..count {
-            // SAFETY: the caller's contract bounds i * pattern.len() + pattern.len().
-            unsafe {
-                std::ptr::copy_nonoverlapping(pattern.as_ptr(), p.add(i * pattern.len()), pattern.len())
-            };
+        let (p, total) = (dst as *mut u8, count * pattern.len());
+        if total == 0 {
+            return;
+        }
+        // One copy of the pattern, then the filled prefix doubled until the range is full.
+        // SAFETY: every write lies in dst..dst + total (the caller's contract), and each copy
+        // reads the already written prefix into the disjoint range right after it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(pattern.as_ptr(), p, pattern.len());
+            let mut done = pattern.len();
+            while done < total {
+                let n = done.min(total - done);
+                std::ptr::copy_nonoverlapping(p, p.add(done), n);
+                done += n;
+            }
         }
     }
 

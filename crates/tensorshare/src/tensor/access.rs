@@ -200,13 +200,13 @@ impl Tensor {
         Ok(())
     }
 
-    /// Whether both tensors have the same dtype, shape and element bytes (torch's `equal`).
-    /// Meta tensors are equal when dtype and shape are.
+    /// Whether both tensors are on one device and have the same dtype, shape and element
+    /// bytes (torch's `equal`). Meta tensors are equal when dtype and shape are.
     pub fn equal(&self, other: &Tensor) -> bool {
         if self.dtype != other.dtype || self.shape != other.shape || self.device != other.device {
             return false;
         }
-        if self.device != crate::Device::Cpu {
+        if self.device == crate::Device::Meta {
             return true;
         }
         matches!((self.to_bytes(), other.to_bytes()), (Ok(a), Ok(b)) if a == b)
