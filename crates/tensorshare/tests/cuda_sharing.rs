@@ -828,7 +828,7 @@ fn an_allocation_coming_back_to_its_creator_is_checked() {
 /// `fill` (device memsets of 1, 2 and 4 bytes, a host copy for 8), `zeros_on`, and copies
 /// to and from the host, on odd lengths and on a view in the middle of an allocation.
 fn fills_and_copies_of_every_element_size() {
-    let mut u8s = Tensor::zeros_on(&[7], DType::U8, GPU).unwrap();
+    let u8s = Tensor::zeros_on(&[7], DType::U8, GPU).unwrap();
     u8s.narrow(0, 2, 3).unwrap().fill(0xabu8).unwrap();
     assert_eq!(u8s.to_vec::<u8>().unwrap(), vec![0, 0, 0xab, 0xab, 0xab, 0, 0]);
     let mut i16s = Tensor::zeros_on(&[1001], DType::I16, GPU).unwrap();
@@ -839,7 +839,7 @@ fn fills_and_copies_of_every_element_size() {
     f32s.select(0, 1).unwrap().fill(-1.0f32).unwrap();
     let v = f32s.to_vec::<f32>().unwrap();
     assert!(v[..333].iter().chain(&v[666..]).all(|x| *x == 0.25) && v[333..666].iter().all(|x| *x == -1.0));
-    let mut i64s = Tensor::from_vec((0..9i64).collect(), &[9]).unwrap().to_device(GPU).unwrap();
+    let i64s = Tensor::from_vec((0..9i64).collect(), &[9]).unwrap().to_device(GPU).unwrap();
     i64s.narrow(0, 4, 5).unwrap().fill(i64::MIN).unwrap();
     assert_eq!(
         i64s.to_vec::<i64>().unwrap(),
