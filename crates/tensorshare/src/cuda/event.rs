@@ -99,8 +99,12 @@ pub(crate) fn record_for_send(device: u32) -> Result<IpcBytes> {
     Ok(ev.handle)
 }
 
-/// Makes this process's stream of `device` wait for a received send event. A handle that
-/// cannot be opened is skipped (see `wire::resolve_device`).
+/// Makes this process's stream of `device` wait for a received send event.
+///
+/// A handle that cannot be opened is skipped: it belongs to a sender that has exited (its
+/// queued work finished or was torn down with it, so nothing is left to wait for), or it is
+/// forged (and a peer that can forge it can write the memory anyway). A driver that fails
+/// to *wait* is an error.
 pub(crate) fn wait_received(device: u32, handle: &IpcBytes) -> Result<()> {
     let Ok(ev) = open(device, handle) else { return Ok(()) };
     backend()?.event_wait(device, ev.raw)

@@ -135,6 +135,10 @@ struct EncodeCtx {
     storage_index: HashMap<*const crate::storage::Inner, u32>,
     /// Slot counts this message holds; given back if it is never sent.
     held: Vec<(Arc<Arena>, u32)>,
+    /// The send event recorded for this message, per device: one record covers every
+    /// CUDA storage of the message on that device.
+    #[cfg(feature = "cuda")]
+    events: HashMap<u32, crate::cuda::IpcBytes>,
 }
 
 thread_local! {
@@ -431,7 +435,14 @@ fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize)
         crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
     };
     let lease = push_fd(ctx, FdSource::Fd(lease));
-    let event = crate::cuda::record_for_send(alloc.device)?;
+    let event = match ctx.events.get(&alloc.device) {
+        Some(e) => *e,
+        None => {
+            let e = crate::cuda::record_for_send(alloc.device)?;
+            ctx.events.insert(alloc.device, e);
+            e
+        }
+    };
     Ok(StorageDesc::Device(DeviceDesc {
         device: alloc.device,
         id: (alloc.id.origin, alloc.id.serial),
@@ -582,6 +593,8 @@ fn resolve_storages(
 ) -> Result<Vec<Storage>> {
     let mut out = Vec::with_capacity(descs.len());
     let mut first_err = None;
+    // Send events to wait on, once each (a message has one per device).
+    let mut events = Vec::new();
     for d in descs {
         let r = match d {
             StorageDesc::Empty(s) => Ok(Storage::from_shared(0, Shared::Empty(*s))),
@@ -592,7 +605,7 @@ fn resolve_storages(
                 Some(Err(e)) => Err(Error::invalid(format!("a storage's segment could not be mapped: {e}"))),
                 Some(Ok(arena)) => resolve_block(arena, *slot, *len),
             },
-            StorageDesc::Device(d) => resolve_device(d, fds),
+            StorageDesc::Device(d) => resolve_device(d, fds, &mut events),
         };
         match r {
             Ok(s) => out.push(s),
@@ -601,10 +614,14 @@ fn resolve_storages(
             }
         }
     }
-    match first_err {
-        Some(e) => Err(e), // `out` drops: its counts are given back
-        None => Ok(out),
+    if let Some(e) = first_err {
+        return Err(e); // `out` drops: its counts are given back
     }
+    #[cfg(feature = "cuda")]
+    for (device, handle) in events {
+        crate::cuda::wait_received(device, &handle)?;
+    }
+    Ok(out)
 }
 
 fn resolve_block(arena: &Arc<Arena>, slot: u32, len: u64) -> Result<Storage> {
@@ -637,7 +654,7 @@ fn resolve_block(arena: &Arc<Arena>, slot: u32, len: u64) -> Result<Storage> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn resolve_device(d: &DeviceDesc, _fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
+fn resolve_device(d: &DeviceDesc, _fds: &mut [Option<OwnedFd>], _events: &mut Vec<()>) -> Result<Storage> {
     Err(Error::Device(format!(
         "a tensor on cuda:{} arrived, but this build has no CUDA support (feature `cuda`)",
         d.device
@@ -645,10 +662,14 @@ fn resolve_device(d: &DeviceDesc, _fds: &mut [Option<OwnedFd>]) -> Result<Storag
 }
 
 /// Resolves a device allocation: the storage this process already has for it, or a new
-/// one (the creator's own allocation coming back, or an import). Either way this process's
-/// stream then waits on the sender's event.
+/// one (the creator's own allocation coming back, or an import). Either way the sender's
+/// event joins `events`, which this process's stream waits on before the value is built.
 #[cfg(feature = "cuda")]
-fn resolve_device(d: &DeviceDesc, fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
+fn resolve_device(
+    d: &DeviceDesc,
+    fds: &mut [Option<OwnedFd>],
+    events: &mut Vec<(u32, crate::cuda::IpcBytes)>,
+) -> Result<Storage> {
     use crate::cuda::{AllocId, Allocation, Export, IpcBytes};
     let mut take = |i: u32| {
         fds.get_mut(i as usize)
@@ -699,11 +720,9 @@ fn resolve_device(d: &DeviceDesc, fds: &mut [Option<OwnedFd>]) -> Result<Storage
         }
     };
     if let Some(h) = event {
-        // An event that cannot be opened belongs to a sender that has exited (its queued
-        // work finished or was torn down with it: nothing is left to wait for) or is bogus
-        // (a peer that could forge it can write the memory anyway). Either way the storage
-        // is delivered; a driver that fails to *wait* is an error.
-        crate::cuda::wait_received(d.device, &h)?;
+        if !events.contains(&(d.device, h)) {
+            events.push((d.device, h));
+        }
     }
     Ok(storage)
 }
