@@ -10,8 +10,9 @@
 //!
 //! **Lifetime.** The creator frees an allocation only once no other process and no message
 //! in flight holds it; a holder that exits or is killed gives its hold back through the
-//! kernel (see the lease pipe in `alloc`). Freed memory is reclaimed by the creator at its
-//! next CUDA allocation or [`collect`].
+//! kernel (see the lease pipe in `alloc`). The creator reclaims such memory at its next
+//! CUDA allocation or [`collect`], and reuses it for new tensors (under a new identity);
+//! [`empty_cache`] gives the free allocations back to the driver.
 //!
 //! **Ordering.** tensorshare queues its copies on one stream per device per process
 //! ([`raw_stream`]). Sending a CUDA tensor records an interprocess event on the sender's
