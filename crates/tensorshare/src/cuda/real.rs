@@ -155,9 +155,8 @@ impl Real {
                 check(unsafe { sys::cuIpcGetMemHandle(&mut h, *ptr) }, "cuIpcGetMemHandle")?;
                 Ok(Export::Ipc(h.reserved.map(|c| c as u8)))
             }
-            Mem::Legacy { ptr, imported: true } => {
+            Mem::Legacy { imported: true, .. } => {
                 // A legacy handle is not re-exported: the importer sends the handle it got.
-                let _ = ptr;
                 Err(Error::Device("an imported legacy IPC allocation has no handle of its own".into()))
             }
             Mem::Sim(_) => Err(Error::Device("a simulated allocation reached the CUDA driver".into())),
@@ -204,16 +203,12 @@ impl Real {
     /// Gives back this process's claim; errors are ignored (this runs in drops, and the
     /// driver frees everything at exit anyway).
     pub(crate) fn release(&self, dev: u32, mem: Mem) {
-        if self.state(dev).is_err() {
-            return;
-        }
+        let Ok(st) = self.state(dev) else { return };
         // SAFETY: each arm releases what the matching allocation or import made, once: `mem`
         // is consumed. Pending work on our stream is finished first, so nothing queued by
         // this process still touches the memory.
         unsafe {
-            if let Ok(st) = self.state(dev) {
-                let _ = sys::cuStreamSynchronize(st.stream);
-            }
+            let _ = sys::cuStreamSynchronize(st.stream);
             match mem {
                 Mem::Vmm { handle, ptr, size } => {
                     let _ = sys::cuMemUnmap(ptr, size);
