@@ -249,7 +249,7 @@ pub fn run(o: Options) -> Result<(), String> {
     );
     let shared = run_shared(&o)?;
     // Unmap what the first run left mapped, so the second run's figures are its own.
-    tensorshare::wire::release_cached_mappings();
+    tensorshare::trim_arenas();
     let copied = run_pipe(&o)?;
     let row = |name: &str, a: String, b: String| println!("{name:<26} {a:>20} {b:>20}");
     println!();

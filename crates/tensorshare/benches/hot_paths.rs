@@ -3,7 +3,7 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use std::hint::black_box;
-use tensorshare::{wire, DType, Queue, SharingStrategy, Storage, Tensor};
+use tensorshare::{raw, DType, Queue, SharingStrategy, Storage, Tensor};
 
 fn shared(n: usize) -> Tensor {
     let mut t = Tensor::empty_shared(&[n], DType::F32).unwrap();
@@ -11,29 +11,28 @@ fn shared(n: usize) -> Tensor {
     t
 }
 
-fn dup(m: &wire::Encoded) -> Vec<std::os::fd::OwnedFd> {
-    m.fds().iter().map(|f| f.try_clone_to_owned().unwrap()).collect()
+fn dup(fds: &[std::os::fd::OwnedFd]) -> Vec<std::os::fd::OwnedFd> {
+    fds.iter().map(|f| f.try_clone().unwrap()).collect()
 }
 
 fn encode_decode(c: &mut Criterion) {
     for k in [1usize, 100] {
         let tensors: Vec<Tensor> = (0..k).map(|_| shared(256)).collect();
         c.bench_function(&format!("encode {k} shared tensors"), |b| {
-            b.iter(|| black_box(wire::encode(&tensors).unwrap()))
+            b.iter(|| black_box(raw::encode(&tensors).unwrap()))
         });
         // Decoding a message whose storages this process already holds: the receive
         // cache's hit path (one lookup per segment and per storage).
         c.bench_function(&format!("decode {k} tensors (cache hit)"), |b| {
             b.iter_batched(
                 || {
-                    let m = wire::encode(&tensors).unwrap();
-                    let fds = dup(&m);
-                    (m.to_vec(), fds, m)
+                    let (bytes, fds) = raw::encode(&tensors).unwrap();
+                    let copies = dup(&fds);
+                    (bytes, copies, fds)
                 },
-                |(bytes, fds, m)| {
-                    let v: Vec<Tensor> = wire::decode(&bytes, fds).unwrap();
-                    m.mark_sent();
-                    black_box(v)
+                |(bytes, copies, fds)| {
+                    let v: Vec<Tensor> = raw::decode(&bytes, copies).unwrap();
+                    black_box((v, fds))
                 },
                 BatchSize::PerIteration,
             )

@@ -1,31 +1,44 @@
 //! Arenas: large shared segments cut into equal slots, one storage per slot.
 //!
-//! Each slot has a holder count in the arena's header, in the shared memory itself, so
-//! every process sees the same count: one per process that holds the slot's storage, plus
-//! one per message in flight that names it. The process that made the arena hands a slot
-//! out again once its count is back to zero, so its pages stay mapped and warm, and a
-//! message carries one descriptor per arena, not one per tensor.
+//! The process that made an arena (its creator) is the only one that hands its slots out,
+//! and it hands a slot out again only when nobody can still be using it. Who uses a slot is
+//! known without any count in shared memory, where a peer could write it:
 //!
-//! Header layout (little-endian, native atomics):
-//! `[0..8) magic | [8..16) slot size | [16..20) slot count | [20..24) reserved |
-//! [24..28) owner gone | [28..32) unlinked | [32..64) reserved | [64..64+4n) holder counts |
-//! page-aligned data`.
+//! - the creator's own handles are counted in its private memory;
+//! - every other process that holds a slot has its own open file description of the
+//!   arena's file (see [`Segment::reopen`]) and an OFD read lock on byte `slot` of it;
+//! - a message in flight holds its slots the same way, through the sender's *send
+//!   description*: the sender locks the slots on it and the message carries it (SCM_RIGHTS).
+//!   The receiver takes its own lock before it closes the message's descriptor.
 //!
-//! A named arena (file_system) must outlive its creator while messages or other processes
-//! hold its slots: at exit the creator only marks it "owner gone", and whichever process
-//! brings the last slot count to zero afterwards removes its file.
+//! The kernel drops a description's locks when its last descriptor closes: when the holder
+//! drops its last storage of the arena, exits or is killed, when a message is consumed, or
+//! when a message is destroyed unread (a socket closed with records in it). A peer can add
+//! holds (lock slots it names) but never remove another's, and no bytes it sends can make
+//! a slot be reused while an honest holder has it. The creator asks the kernel (`F_OFD_GETLK`
+//! on its own description, which no message ever carries) before reusing a slot it has sent.
+//!
+//! A send description is shared by the messages a process sends from one arena until it is
+//! retired (after [`SEND_BATCH`] messages, or when the creator wants a slot it still locks),
+//! so a slot may stay held for a while after its last message was consumed; it is never
+//! held for less. Opening a description costs a `/proc/self/fd` lookup, which this spreads.
+//!
+//! Header layout (little-endian): `[0..8) magic | [8..16) slot size | [16..20) slot count |
+//! [20..4096) reserved | page-aligned data`. The header is read once, when an arena is
+//! received, and checked against the file's size: bounds never depend on it later.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::shm::Segment;
+use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
-const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA1");
-const HEADER: usize = 64;
-const OWNER_GONE: usize = 24;
-const UNLINKED: usize = 28;
+const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA2");
 const PAGE: usize = 4096;
+/// Data starts after one page of header.
+const DATA_OFFSET: usize = PAGE;
 /// Smallest slot: 64 bytes, so every storage is 64-byte aligned.
 const MIN_SLOT_SHIFT: u32 = 6;
 /// Largest pooled slot: 4 MiB. Larger storages get an arena of one slot.
@@ -36,16 +49,55 @@ const ARENA_DATA: usize = 8 << 20;
 const MAX_SLOTS: usize = 8192;
 /// Free one-slot arenas kept for reuse, in bytes, before the oldest are let go.
 const LARGE_RETAIN: usize = 1 << 30;
+/// Messages that share one send description before it is retired.
+pub(crate) const SEND_BATCH: u32 = 64;
 
-/// An arena mapped in this process, with its geometry copied out of the header once (the
-/// header lives in memory other processes can write; bounds never depend on it later).
+/// Counts forks, so that an arena object inherited by a forked child knows it is not its
+/// own: it shares its parent's descriptions (and so their locks) and must not touch them.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn forked_child() {
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Makes every fork (through libc, by anyone) start a new generation in the child.
+fn watch_forks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the child handler is a plain extern "C" fn that does one atomic add, which
+        // is async-signal-safe and valid in a child that has only the forking thread.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    });
+}
+
+/// An arena mapped in this process, with its geometry copied out of the header once.
 pub(crate) struct Arena {
     /// Whether the receive cache knows this arena (set on its first send).
-    pub(crate) cached: std::sync::atomic::AtomicBool,
+    pub(crate) cached: AtomicBool,
+    /// The mapping, and this process's own description of the file: the creator's never
+    /// leaves the process; a holder's carries its slot locks.
     seg: Segment,
     slot_size: usize,
     nslots: u32,
-    data_offset: usize,
+    creator: bool,
+    generation: u64,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// This process's handles (blocks) of each slot.
+    local: Vec<u32>,
+    /// The creator's: slots it has sent since it last saw them unlocked, which other
+    /// processes may therefore hold.
+    exposed: Vec<bool>,
+    send: Option<SendHold>,
+}
+
+/// The description messages from this process carry, with the slots locked on it.
+struct SendHold {
+    fd: Arc<OwnedFd>,
+    locked: Vec<bool>,
+    messages: u32,
 }
 
 impl std::fmt::Debug for Arena {
@@ -54,42 +106,57 @@ impl std::fmt::Debug for Arena {
             .field("segment", self.seg.id())
             .field("slot_size", &self.slot_size)
             .field("nslots", &self.nslots)
+            .field("creator", &self.creator)
             .finish()
     }
 }
 
-fn data_offset(nslots: usize) -> usize {
-    (HEADER + 4 * nslots).div_ceil(PAGE) * PAGE
-}
-
 impl Arena {
-    /// Creates an arena of `nslots` slots of `slot_size` bytes.
-    fn create(slot_size: usize, nslots: usize, strategy: SharingStrategy) -> Result<Arena> {
-        let off = data_offset(nslots);
-        let len = slot_size
-            .checked_mul(nslots)
-            .and_then(|d| d.checked_add(off))
-            .ok_or_else(|| Error::shape(format!("a shared storage of {slot_size} bytes is too large")))?;
-        let seg = Segment::create(len, strategy)?;
-        // SAFETY: the segment is at least HEADER bytes, page-aligned, and nobody else has
-        // seen it yet; the fields are written before the arena is shared.
-        unsafe {
-            let p = seg.as_ptr();
-            p.cast::<u64>().write(MAGIC);
-            p.add(8).cast::<u64>().write(slot_size as u64);
-            p.add(16).cast::<u32>().write(nslots as u32);
+    fn new(seg: Segment, slot_size: usize, nslots: u32, creator: bool) -> Arena {
+        watch_forks();
+        let n = nslots as usize;
+        Arena {
+            cached: AtomicBool::new(false),
+            seg,
+            slot_size,
+            nslots,
+            creator,
+            generation: FORK_GENERATION.load(Ordering::Relaxed),
+            state: Mutex::new(State {
+                local: vec![0; n],
+                exposed: if creator { vec![false; n] } else { Vec::new() },
+                send: None,
+            }),
         }
-        Ok(Arena { cached: Default::default(), seg, slot_size, nslots: nslots as u32, data_offset: off })
     }
 
-    /// Checks and adopts a segment received from another process as an arena.
+    /// Creates an arena of `nslots` slots of `slot_size` bytes.
+    fn create(slot_size: usize, nslots: usize, strategy: SharingStrategy) -> Result<Arena> {
+        let too_large = || Error::shape(format!("a shared storage of {slot_size} bytes is too large"));
+        let len =
+            slot_size.checked_mul(nslots).and_then(|d| d.checked_add(DATA_OFFSET)).ok_or_else(too_large)?;
+        let n32 = u32::try_from(nslots).map_err(|_| too_large())?;
+        let seg = Segment::create(len, strategy)?;
+        // SAFETY: the segment is at least DATA_OFFSET bytes, page-aligned, and no other
+        // process or handle has seen it yet, so these plain writes race with nothing.
+        unsafe {
+            let p = seg.as_mut_ptr();
+            p.cast::<u64>().write(MAGIC);
+            p.add(8).cast::<u64>().write(slot_size as u64);
+            p.add(16).cast::<u32>().write(n32);
+        }
+        Ok(Arena::new(seg, slot_size, n32, true))
+    }
+
+    /// Checks and adopts a segment received from another process as an arena. `seg` must
+    /// be mapped through a description of this process's own (see [`Segment::reopen`]).
     pub(crate) fn open(seg: Segment) -> Result<Arena> {
-        if seg.len() < HEADER {
+        if seg.len() < DATA_OFFSET {
             return Err(Error::invalid("a received segment is too small to be an arena"));
         }
-        // SAFETY: the mapping is at least HEADER bytes and page-aligned; these reads may race
-        // with writes from a misbehaving peer, so they are volatile and their values are
-        // only trusted after the checks below.
+        // SAFETY: the mapping is at least DATA_OFFSET bytes and page-aligned. A peer may be
+        // writing these words right now, so they are read with volatile reads of plain
+        // integers (any bit pattern is a valid u64/u32) and only trusted after the checks.
         let (magic, slot_size, nslots) = unsafe {
             let p = seg.as_ptr();
             (
@@ -103,10 +170,9 @@ impl Arena {
         }
         let slot_size =
             usize::try_from(slot_size).map_err(|_| Error::invalid("arena slot size overflows"))?;
-        let off = data_offset(nslots as usize);
-        let end = slot_size.checked_mul(nslots as usize).and_then(|d| d.checked_add(off));
+        let end = slot_size.checked_mul(nslots as usize).and_then(|d| d.checked_add(DATA_OFFSET));
         match end {
-            Some(end) if nslots > 0 && slot_size > 0 && end <= seg.len() => {}
+            Some(end) if nslots > 0 && nslots as usize <= MAX_SLOTS && slot_size > 0 && end <= seg.len() => {}
             _ => {
                 return Err(Error::invalid(format!(
                     "arena header ({nslots} slots of {slot_size} bytes) does not fit its segment of {} bytes",
@@ -114,7 +180,7 @@ impl Arena {
                 )))
             }
         }
-        Ok(Arena { cached: Default::default(), seg, slot_size, nslots, data_offset: off })
+        Ok(Arena::new(seg, slot_size, nslots, false))
     }
 
     pub(crate) fn segment(&self) -> &Segment {
@@ -129,89 +195,147 @@ impl Arena {
         self.nslots
     }
 
-    fn count(&self, slot: u32) -> &AtomicU32 {
-        debug_assert!(slot < self.nslots);
-        // SAFETY: slot < nslots, so the counter lies in the header area of our mapping,
-        // 4-byte aligned (HEADER is a multiple of 4 and the mapping is page-aligned); the
-        // mapping lives as long as `self`. AtomicU32 has the layout of u32.
-        unsafe { &*self.seg.as_ptr().add(HEADER + 4 * slot as usize).cast::<AtomicU32>() }
+    /// Whether this arena object belongs to this process (not one inherited through fork).
+    pub(crate) fn is_own(&self) -> bool {
+        self.generation == FORK_GENERATION.load(Ordering::Relaxed)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
     }
 
     /// Address of a slot's first byte.
+    ///
+    /// # Panics
+    /// If `slot` is not a slot of this arena (callers check it first).
     pub(crate) fn slot_ptr(&self, slot: u32) -> *mut u8 {
-        assert!(slot < self.nslots);
-        // SAFETY: `open`/`create` checked data_offset + nslots * slot_size <= len.
-        unsafe { self.seg.as_ptr().add(self.data_offset + slot as usize * self.slot_size) }
+        assert!(slot < self.nslots, "slot {slot} of an arena of {} slots", self.nslots);
+        // SAFETY: `open`/`create` checked DATA_OFFSET + nslots * slot_size <= len, so the
+        // slot lies inside the mapping.
+        unsafe { self.seg.as_mut_ptr().add(DATA_OFFSET + slot as usize * self.slot_size) }
     }
 
-    /// Takes a free slot (count 0 → 1).
+    /// The creator takes a slot nobody uses (no handle here, no lock anywhere).
     fn try_claim(&self, slot: u32) -> bool {
-        self.count(slot).compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        let mut st = self.state();
+        let i = slot as usize;
+        if st.local[i] != 0 {
+            return false;
+        }
+        if st.exposed[i] {
+            match locked_elsewhere(self.seg.fd(), slot) {
+                Ok(false) => {}
+                Ok(true) => {
+                    // Perhaps only by our own send description: retire it (messages in flight
+                    // keep it alive as long as they need) and ask again.
+                    if !st.send.as_ref().is_some_and(|s| s.locked[i]) {
+                        return false;
+                    }
+                    st.send = None;
+                    if !matches!(locked_elsewhere(self.seg.fd(), slot), Ok(false)) {
+                        return false;
+                    }
+                }
+                Err(_) => return false,
+            }
+            st.exposed[i] = false;
+        }
+        st.local[i] = 1;
+        true
     }
 
-    /// One more holder (a message about to be sent).
-    pub(crate) fn retain(&self, slot: u32) {
-        self.count(slot).fetch_add(1, Ordering::Relaxed);
+    /// One more handle of `slot` in this process. A holder's first handle takes the
+    /// process's lock on the slot.
+    fn hold(&self, slot: u32) -> Result<()> {
+        let mut st = self.state();
+        let i = slot as usize;
+        if st.local[i] == 0 && !self.creator && self.is_own() {
+            lock_slot(self.seg.fd(), slot, libc::F_RDLCK)
+                .map_err(|e| Error::io("locking a received slot (F_OFD_SETLK)", e))?;
+        }
+        st.local[i] =
+            st.local[i].checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
+        Ok(())
     }
 
-    /// One holder less. Saturates at zero: a count that a misbehaving peer broke must not
-    /// wrap around and pin the slot for good.
-    pub(crate) fn release(&self, slot: u32) {
-        let prev = self.count(slot).fetch_update(Ordering::Release, Ordering::Relaxed, |c| c.checked_sub(1));
-        if prev == Ok(1) && self.seg.name().is_some() && self.word(OWNER_GONE).load(Ordering::Acquire) != 0 {
-            self.unlink_if_unused();
+    /// One handle of `slot` less; the last one gives the process's lock back.
+    fn release(&self, slot: u32) {
+        let mut st = self.state();
+        let i = slot as usize;
+        st.local[i] = st.local[i].saturating_sub(1);
+        if st.local[i] == 0 && !self.creator && self.is_own() {
+            // Unlocking cannot fail for a range we locked; if it did, the slot would stay
+            // held until this process drops the arena or exits: never less.
+            let _ = lock_slot(self.seg.fd(), slot, libc::F_UNLCK);
         }
     }
 
-    fn word(&self, offset: usize) -> &AtomicU32 {
-        // SAFETY: OWNER_GONE and UNLINKED are 4-byte aligned offsets inside the header of a
-        // mapping of at least HEADER bytes that lives as long as self.
-        unsafe { &*self.seg.as_ptr().add(offset).cast::<AtomicU32>() }
-    }
-
-    /// Removes a named arena's file once its creator is gone and no slot is held.
-    fn unlink_if_unused(&self) {
-        if (0..self.nslots).all(|s| self.holders(s) == 0)
-            && self.word(UNLINKED).compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-        {
-            if let Some(name) = self.seg.name() {
-                crate::shm::unlink_name(name);
+    /// The description a message naming `slots` of this arena carries, with each slot
+    /// locked on it. The caller holds a handle of each slot.
+    pub(crate) fn send_hold(&self, slots: &[u32]) -> Result<Arc<OwnedFd>> {
+        if !self.is_own() {
+            return Err(Error::Unsupported(
+                "a storage inherited through fork cannot be sent from the child; send it from the \
+                 parent, or copy it"
+                    .into(),
+            ));
+        }
+        let mut st = self.state();
+        if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH) {
+            st.send = None;
+        }
+        if st.send.is_none() {
+            st.send = Some(SendHold {
+                fd: Arc::new(self.seg.reopen()?),
+                locked: vec![false; self.nslots as usize],
+                messages: 0,
+            });
+        }
+        let st = &mut *st;
+        let send = st.send.as_mut().expect("set above");
+        for &slot in slots {
+            let i = slot as usize;
+            if !send.locked[i] {
+                lock_slot(send.fd.as_fd(), slot, libc::F_RDLCK)
+                    .map_err(|e| Error::io("locking a slot for a message (F_OFD_SETLK)", e))?;
+                send.locked[i] = true;
+            }
+            if self.creator {
+                st.exposed[i] = true;
             }
         }
+        send.messages += 1;
+        Ok(send.fd.clone())
     }
 
-    /// The creator is leaving: the file goes now if nothing is held, else with the last
-    /// holder.
-    fn orphan(&self) {
-        self.word(OWNER_GONE).store(1, Ordering::Release);
-        self.unlink_if_unused();
-    }
-
-    /// The current holder count (for tests and tools).
-    pub(crate) fn holders(&self, slot: u32) -> u32 {
-        self.count(slot).load(Ordering::Acquire)
+    /// Whether any slot is in use: by a handle here, or by a lock of another description.
+    fn in_use(&self) -> bool {
+        let mut st = self.state();
+        st.send = None;
+        st.local.iter().any(|&c| c != 0) || !matches!(range_free(self.seg.fd(), 0, self.nslots), Ok(true))
     }
 }
 
-/// One holder's claim on a slot: the storage's memory. Dropping it releases the slot.
-pub(crate) struct Block {
+/// One holder's claim on a slot: the storage's memory. Dropping it gives the claim back.
+pub(crate) struct Slot {
     arena: Arc<Arena>,
     slot: u32,
 }
 
-impl std::fmt::Debug for Block {
+impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Block").field("arena", self.arena.seg.id()).field("slot", &self.slot).finish()
+        f.debug_struct("Slot").field("arena", self.arena.seg.id()).field("slot", &self.slot).finish()
     }
 }
 
-impl Block {
-    /// Takes over a holder count that a message carried (the sender added it).
-    pub(crate) fn adopt(arena: Arc<Arena>, slot: u32) -> Result<Block> {
+impl Slot {
+    /// A handle of `slot` of a received arena: this process now holds it.
+    pub(crate) fn hold(arena: Arc<Arena>, slot: u32) -> Result<Slot> {
         if slot >= arena.nslots {
             return Err(Error::invalid(format!("slot {slot} is outside an arena of {} slots", arena.nslots)));
         }
-        Ok(Block { arena, slot })
+        arena.hold(slot)?;
+        Ok(Slot { arena, slot })
     }
 
     pub(crate) fn arena(&self) -> &Arc<Arena> {
@@ -222,7 +346,7 @@ impl Block {
         self.slot
     }
 
-    pub(crate) fn ptr(&self) -> *mut u8 {
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
         self.arena.slot_ptr(self.slot)
     }
 
@@ -230,92 +354,141 @@ impl Block {
     pub(crate) fn capacity(&self) -> usize {
         self.arena.slot_size
     }
-
-    /// Gives up this claim without releasing it: the caller now owns one holder count of
-    /// the slot (a message in flight takes it over).
-    pub(crate) fn into_raw(self) -> (Arc<Arena>, u32) {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped, so the Arc is moved out exactly once.
-        (unsafe { std::ptr::read(&this.arena) }, this.slot)
-    }
 }
 
-impl Drop for Block {
+impl Drop for Slot {
     fn drop(&mut self) {
         self.arena.release(self.slot);
     }
 }
 
-/// Where this process's arenas are kept, one pool per strategy.
-struct Pool {
-    classes: Vec<ClassPool>,
+fn flock(l_type: i32, start: u32, len: u32) -> libc::flock {
+    // SAFETY: struct flock is plain data; all-zero is a valid value to fill in (l_pid must
+    // be 0 for OFD locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = l_type as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = start.into();
+    fl.l_len = len.into();
+    fl
+}
+
+/// Takes or gives back (`F_UNLCK`) a read lock on byte `slot` of description `fd`.
+///
+/// rustix offers only whole-file locks; byte-range OFD locks need `fcntl` from libc.
+fn lock_slot(fd: BorrowedFd<'_>, slot: u32, l_type: i32) -> std::io::Result<()> {
+    let fl = flock(l_type, slot, 1);
+    // SAFETY: F_OFD_SETLK reads one valid, initialised struct flock through the pointer,
+    // which lives across the call; `fd` is a valid descriptor.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Whether slots `start..start + len` are free of every lock but those of `fd` itself.
+fn range_free(fd: BorrowedFd<'_>, start: u32, len: u32) -> std::io::Result<bool> {
+    let mut fl = flock(libc::F_WRLCK, start, len);
+    // SAFETY: F_OFD_GETLK reads and writes one valid struct flock through the pointer, which
+    // lives across the call; `fd` is a valid descriptor.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fl.l_type == libc::F_UNLCK as i16)
+}
+
+fn locked_elsewhere(fd: BorrowedFd<'_>, slot: u32) -> std::io::Result<bool> {
+    range_free(fd, slot, 1).map(|free| !free)
+}
+
+/// Where this process's arenas are kept, one allocator per strategy.
+struct Allocator {
+    classes: Vec<ClassArenas>,
     large: Vec<Arc<Arena>>,
 }
 
 #[derive(Default)]
-struct ClassPool {
+struct ClassArenas {
     arenas: Vec<Arc<Arena>>,
-    /// Where the next search starts: (arena, slot). Blocks tend to be freed in the order
+    /// Where the next search starts: (arena, slot). Slots tend to be freed in the order
     /// they were taken, so the slot after the last one taken is the likeliest free one.
     cursor: (usize, u32),
 }
 
-impl Pool {
-    fn new() -> Pool {
-        Pool { classes: (0..CLASSES).map(|_| ClassPool::default()).collect(), large: Vec::new() }
+impl Allocator {
+    fn new() -> Allocator {
+        Allocator { classes: (0..CLASSES).map(|_| ClassArenas::default()).collect(), large: Vec::new() }
+    }
+
+    /// Forgets arenas inherited through fork: this process cannot hand their slots out.
+    fn drop_inherited(&mut self) {
+        for class in &mut self.classes {
+            if class.arenas.iter().any(|a| !a.is_own()) {
+                class.arenas.retain(|a| a.is_own());
+                class.cursor = (0, 0);
+            }
+        }
+        self.large.retain(|a| a.is_own());
     }
 }
 
-fn pool(strategy: SharingStrategy) -> &'static Mutex<Pool> {
-    static FD: std::sync::OnceLock<Mutex<Pool>> = std::sync::OnceLock::new();
-    static FS: std::sync::OnceLock<Mutex<Pool>> = std::sync::OnceLock::new();
+fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
+    static FD: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
+    static FS: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
     match strategy {
-        SharingStrategy::FileDescriptor => FD.get_or_init(|| Mutex::new(Pool::new())),
+        SharingStrategy::FileDescriptor => FD.get_or_init(|| Mutex::new(Allocator::new())),
         SharingStrategy::FileSystem => FS.get_or_init(|| {
-            // Named arenas outlive the pool's Rust values (statics are never dropped), so
-            // their files are removed when the process exits normally.
+            // Named arenas outlive the allocator's Rust values (statics are never dropped),
+            // so their files are removed when the process exits normally. Processes that
+            // hold them keep their memory through their descriptors.
             OWNER.store(rustix::process::getpid().as_raw_nonzero().get(), Ordering::Relaxed);
             // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
             // statics; atexit has no other contract.
             unsafe { libc::atexit(unlink_named_at_exit) };
-            Mutex::new(Pool::new())
+            Mutex::new(Allocator::new())
         }),
     }
 }
 
-/// Holds every pool lock (see `process::atfork`).
+/// Holds every allocator lock (see `process::atfork`).
 pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
     for s in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
-        out.push(Box::new(pool(s).lock().unwrap_or_else(|p| p.into_inner())));
+        out.push(Box::new(lock(allocator(s))));
     }
 }
 
-/// The process whose named arenas the pool holds (a forked child inherits the pool but
-/// must not remove its parent's files).
+/// The process whose named arenas the allocator holds (a forked child inherits the
+/// allocator but must not remove its parent's files).
 static OWNER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 extern "C" fn unlink_named_at_exit() {
     if OWNER.load(Ordering::Relaxed) != rustix::process::getpid().as_raw_nonzero().get() {
         return;
     }
-    // Another thread may hold the lock while the process exits: then leave the files rather
-    // than deadlock in exit.
-    let Ok(pool) = pool(SharingStrategy::FileSystem).try_lock() else { return };
-    for arena in pool.classes.iter().flat_map(|c| c.arenas.iter()).chain(pool.large.iter()) {
-        arena.orphan();
+    // Another thread may hold the lock while the process exits: then leave the files to the
+    // group's cleaner rather than deadlock in exit.
+    let Ok(alloc) = allocator(SharingStrategy::FileSystem).try_lock() else { return };
+    for arena in alloc.classes.iter().flat_map(|c| c.arenas.iter()).chain(alloc.large.iter()) {
+        if let Some(name) = arena.seg.name() {
+            crate::shm::unlink_name(name);
+        }
     }
 }
 
-/// Allocates a block of at least `len` bytes (`len > 0`) under `strategy`. The contents
+/// Allocates a slot of at least `len` bytes (`len > 0`) under `strategy`. The contents
 /// are unspecified: zero in a new arena, old bytes in a reused slot.
-pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Block> {
+pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
     debug_assert!(len > 0);
-    let mut pool = pool(strategy).lock().unwrap_or_else(|p| p.into_inner());
+    let mut alloc = lock(allocator(strategy));
+    alloc.drop_inherited();
     if len > 1 << MAX_SLOT_SHIFT {
-        return allocate_large(&mut pool, len, strategy);
+        return allocate_large(&mut alloc, len, strategy);
     }
     let shift = len.next_power_of_two().trailing_zeros().max(MIN_SLOT_SHIFT);
-    let class = &mut pool.classes[(shift - MIN_SLOT_SHIFT) as usize];
+    let class = &mut alloc.classes[(shift - MIN_SLOT_SHIFT) as usize];
     let n = class.arenas.len();
     let (start_arena, start_slot) = class.cursor;
     // Search every arena once, starting at the cursor, wrapping around.
@@ -326,7 +499,7 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Block> {
         for s in (first..arena.nslots).chain(0..first) {
             if arena.try_claim(s) {
                 class.cursor = (ai, s + 1);
-                return Ok(Block { arena: arena.clone(), slot: s });
+                return Ok(Slot { arena: arena.clone(), slot: s });
             }
         }
     }
@@ -337,62 +510,64 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Block> {
     debug_assert!(claimed);
     class.arenas.push(arena.clone());
     class.cursor = (class.arenas.len() - 1, 1);
-    Ok(Block { arena, slot: 0 })
+    Ok(Slot { arena, slot: 0 })
 }
 
-fn allocate_large(pool: &mut Pool, len: usize, strategy: SharingStrategy) -> Result<Block> {
-    let want = len.div_ceil(PAGE) * PAGE;
-    // Reuse a free arena that is big enough but not wastefully big.
-    let mut best: Option<usize> = None;
-    for (i, a) in pool.large.iter().enumerate() {
-        let fits = a.slot_size >= want && a.slot_size / 2 <= want && a.holders(0) == 0;
-        if fits && best.is_none_or(|b| pool.large[b].slot_size > a.slot_size) {
-            best = Some(i);
-        }
-    }
-    if let Some(i) = best {
-        if pool.large[i].try_claim(0) {
-            let arena = pool.large.remove(i);
-            pool.large.push(arena.clone()); // most recently used last
-            return Ok(Block { arena, slot: 0 });
+fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) -> Result<Slot> {
+    let want = len
+        .checked_next_multiple_of(PAGE)
+        .ok_or_else(|| Error::shape(format!("a shared storage of {len} bytes is too large")))?;
+    // Reuse a free arena that is big enough but not wastefully big, smallest first.
+    let mut fits: Vec<usize> = (0..alloc.large.len())
+        .filter(|&i| {
+            let a = &alloc.large[i];
+            a.slot_size >= want && a.slot_size / 2 <= want
+        })
+        .collect();
+    fits.sort_by_key(|&i| alloc.large[i].slot_size);
+    for i in fits {
+        if alloc.large[i].try_claim(0) {
+            let arena = alloc.large.remove(i);
+            alloc.large.push(arena.clone()); // most recently used last
+            return Ok(Slot { arena, slot: 0 });
         }
     }
     // Let go of the oldest free arenas beyond the retention bound.
-    let mut free_bytes: usize = pool.large.iter().filter(|a| a.holders(0) == 0).map(|a| a.slot_size).sum();
-    let mut i = 0;
-    while free_bytes > LARGE_RETAIN && i < pool.large.len() {
-        if pool.large[i].holders(0) == 0 {
-            free_bytes -= pool.large[i].slot_size;
-            pool.large.remove(i);
-        } else {
-            i += 1;
+    let free: Vec<bool> = alloc.large.iter().map(|a| !a.in_use()).collect();
+    let mut free_bytes: usize =
+        alloc.large.iter().zip(&free).filter(|(_, f)| **f).map(|(a, _)| a.slot_size).sum();
+    let mut keep = free.iter();
+    alloc.large.retain(|a| {
+        let is_free = *keep.next().unwrap_or(&false);
+        if is_free && free_bytes > LARGE_RETAIN {
+            free_bytes -= a.slot_size;
+            return false;
         }
-    }
+        true
+    });
     let arena = Arc::new(Arena::create(want, 1, strategy)?);
     let claimed = arena.try_claim(0);
     debug_assert!(claimed);
-    pool.large.push(arena.clone());
-    Ok(Block { arena, slot: 0 })
+    alloc.large.push(arena.clone());
+    Ok(Slot { arena, slot: 0 })
 }
 
 /// Lets go of every arena of this process whose slots are all free (their memory is
 /// returned once no other process maps them). Returns how many were let go.
-pub fn trim() -> usize {
-    // Arenas the receive cache keeps mapped for speed go too.
-    crate::wire::release_cached_mappings();
+pub(crate) fn trim() -> usize {
     let mut n = 0;
     for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
-        let mut pool = pool(strategy).lock().unwrap_or_else(|p| p.into_inner());
-        let all_free = |a: &Arc<Arena>| (0..a.nslots).all(|s| a.holders(s) == 0);
-        for class in &mut pool.classes {
+        let mut alloc = lock(allocator(strategy));
+        alloc.drop_inherited();
+        for class in &mut alloc.classes {
             let before = class.arenas.len();
-            class.arenas.retain(|a| !all_free(a));
+            class.arenas.retain(|a| a.in_use());
             n += before - class.arenas.len();
             class.cursor = (0, 0);
         }
-        let before = pool.large.len();
-        pool.large.retain(|a| !all_free(a));
-        n += before - pool.large.len();
+        let before = alloc.large.len();
+        alloc.large.retain(|a| a.in_use());
+        n += before - alloc.large.len();
     }
     n
 }
@@ -402,13 +577,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn freed_blocks_are_reused() {
+    fn freed_slots_are_reused() {
         let a = allocate(1000, SharingStrategy::FileDescriptor).unwrap();
         let (arena, slot) = (a.arena.clone(), a.slot);
-        assert_eq!(arena.holders(slot), 1);
         assert_eq!(a.capacity(), 1024);
         drop(a);
-        assert_eq!(arena.holders(slot), 0);
         // The freed slot comes back once the search wraps around to it.
         let mut got = Vec::new();
         let mut found = false;
@@ -424,17 +597,38 @@ mod tests {
     }
 
     #[test]
-    fn large_blocks_have_their_own_arena_and_are_reused() {
-        // A size no other test of this process asks for, so that the arena we free is the
-        // only one that fits.
-        let len = (37 << 20) + 3;
+    fn a_slot_locked_by_another_description_is_not_reused() {
+        let len = (29 << 20) + 5; // a size no other test asks for: its own one-slot arena
         let a = allocate(len, SharingStrategy::FileDescriptor).unwrap();
-        assert_eq!(a.arena.nslots(), 1);
-        assert!(a.capacity() >= len);
-        let id = a.arena.segment().id().clone();
+        let arena = a.arena.clone();
+        // A message takes the slot to another holder, which locks it on a description of
+        // its own and lets the message go.
+        let message = arena.send_hold(&[0]).unwrap();
+        let other = arena.seg.reopen().unwrap();
+        lock_slot(other.as_fd(), 0, libc::F_RDLCK).unwrap();
+        drop(message);
         drop(a);
         let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
-        assert_eq!(b.arena.segment().id(), &id, "the freed large arena was not reused");
+        assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot another description holds was handed out");
+        drop(b);
+        drop(other); // the holder is gone: its lock with it
+        let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(Arc::ptr_eq(&c.arena, &arena), "the slot is free again once its holder is gone");
+    }
+
+    #[test]
+    fn a_sent_slot_stays_held_by_the_send_description_until_it_is_retired() {
+        let len = (31 << 20) + 7;
+        let a = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        let arena = a.arena.clone();
+        let message = arena.send_hold(&[0]).unwrap(); // a message in flight carries this
+        drop(a);
+        let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot a message in flight holds was handed out");
+        drop(b);
+        drop(message); // consumed: only the sender's retired description was left
+        let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(Arc::ptr_eq(&c.arena, &arena), "the slot comes back once the message is gone");
     }
 
     #[test]
@@ -447,8 +641,9 @@ mod tests {
     #[test]
     fn open_rejects_a_header_larger_than_its_segment() {
         let arena = Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap();
-        // SAFETY: test-only write of the slot count in our own fresh arena.
-        unsafe { arena.seg.as_ptr().add(16).cast::<u32>().write(1 << 20) };
+        // SAFETY: test-only write of the slot count in our own fresh arena, which no other
+        // handle reads.
+        unsafe { arena.seg.as_mut_ptr().add(16).cast::<u32>().write(1 << 20) };
         let err = Arena::open(arena.seg).unwrap_err();
         assert!(err.to_string().contains("does not fit"), "{err}");
     }

@@ -42,9 +42,8 @@ mod strategy;
 mod tensor;
 mod thread;
 mod util;
-pub mod wire;
+mod wire;
 
-pub use arena::trim as trim_arenas;
 pub use channel::{pipe, Connection, Queue, SimpleQueue};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
@@ -59,3 +58,38 @@ pub use strategy::{
 };
 pub use tensor::{AtomicElement, AtomicView, Device, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
+
+/// The bare codec, for tests and hostile-peer tools (feature `test-support`, off by
+/// default; not part of the API).
+///
+/// Decoding is as safe as receiving: a message holds its slots through the descriptors it
+/// carries, so a replayed, duplicated or forged message can only add holds.
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod raw {
+    use std::os::fd::OwnedFd;
+
+    /// `value` as a message: its bytes, and its own descriptors (which hold its slots).
+    pub fn encode<T: serde::Serialize + ?Sized>(value: &T) -> crate::Result<(Vec<u8>, Vec<OwnedFd>)> {
+        let msg = crate::wire::encode(value)?;
+        let fds = msg
+            .borrowed_fds()
+            .iter()
+            .map(|f| f.try_clone_to_owned().map_err(|e| crate::Error::io("dup", e)))
+            .collect::<crate::Result<_>>()?;
+        Ok((msg.bytes, fds))
+    }
+
+    /// A message back into a value, as a receiver would.
+    pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
+        crate::wire::decode(bytes, fds)
+    }
+}
+
+/// Lets go of every arena of this process whose slots are all free, and of the arenas the
+/// receive cache keeps mapped for speed, so that their memory goes back to the system once
+/// no other process maps them. Returns how many of this process's arenas were let go.
+pub fn trim_arenas() -> usize {
+    wire::release_cached_mappings();
+    arena::trim()
+}

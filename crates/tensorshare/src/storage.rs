@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
-use crate::arena::{self, Block};
+use crate::arena::{self, Slot};
 use crate::{get_sharing_strategy, Result, SharingStrategy};
 
 /// Alignment of every storage's first byte.
@@ -43,11 +43,11 @@ impl Drop for PrivateBuf {
 pub(crate) enum Shared {
     /// A zero-byte shared storage: nothing to map, valid under both strategies.
     Empty(SharingStrategy),
-    /// A block of an arena.
-    Block(Block),
+    /// A slot of an arena.
+    Slot(Slot),
     /// A device allocation of its own.
     #[cfg(feature = "cuda")]
-    Device(crate::cuda::Allocation),
+    Device(Box<crate::cuda::Allocation>),
 }
 
 pub(crate) struct Inner {
@@ -143,7 +143,7 @@ impl Storage {
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
         match self.inner.shared.get()? {
             Shared::Empty(s) => Some(*s),
-            Shared::Block(b) => Some(if b.arena().segment().name().is_some() {
+            Shared::Slot(b) => Some(if b.arena().segment().name().is_some() {
                 SharingStrategy::FileSystem
             } else {
                 SharingStrategy::FileDescriptor
@@ -174,10 +174,10 @@ impl Storage {
             return Ok(());
         }
         let shared = alloc_shared(self.len(), strategy)?;
-        if let Shared::Block(b) = &shared {
+        if let Shared::Slot(b) = &shared {
             // SAFETY: the private buffer has len bytes; the block has at least len bytes and
             // is fresh memory no handle points to yet.
-            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), b.ptr(), self.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), b.as_mut_ptr(), self.len()) };
         }
         // Another thread may have shared it meanwhile; then ours is dropped and freed.
         let _ = self.inner.shared.set(shared);
@@ -189,7 +189,7 @@ impl Storage {
     /// the device address: not for the host to read or write.
     pub fn as_ptr(&self) -> *mut u8 {
         match self.inner.shared.get() {
-            Some(Shared::Block(b)) => b.ptr(),
+            Some(Shared::Slot(b)) => b.as_mut_ptr(),
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => a.ptr as *mut u8,
             Some(Shared::Empty(_)) => NonNull::<Chunk>::dangling().as_ptr().cast(),
@@ -233,7 +233,7 @@ impl Storage {
     /// The file name of the named segment holding a file_system storage.
     pub fn segment_name(&self) -> Option<String> {
         match self.inner.shared.get()? {
-            Shared::Block(b) => b.arena().segment().name().map(str::to_owned),
+            Shared::Slot(b) => b.arena().segment().name().map(str::to_owned),
             _ => None,
         }
     }
@@ -251,7 +251,7 @@ fn alloc_shared(len: usize, strategy: SharingStrategy) -> Result<Shared> {
     if len == 0 {
         return Ok(Shared::Empty(strategy));
     }
-    Ok(Shared::Block(arena::allocate(len, strategy)?))
+    Ok(Shared::Slot(arena::allocate(len, strategy)?))
 }
 
 #[cfg(test)]

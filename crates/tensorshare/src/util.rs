@@ -26,3 +26,10 @@ pub(crate) fn random_bytes(buf: &mut [u8]) {
 pub(crate) fn checked_mul(a: usize, b: usize, what: &str) -> crate::Result<usize> {
     a.checked_mul(b).ok_or_else(|| crate::Error::shape(format!("{what} overflows usize")))
 }
+
+/// Locks `m`, also after another thread panicked while holding it: every structure behind
+/// the library's mutexes stays valid at each step (they hold caches and bookkeeping whose
+/// invariants no panic can leave half-updated), so a poisoned lock is still usable.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,11 +1,12 @@
 //! The decoder against random and mutated messages: every outcome is a value or an error,
-//! never a panic, a hang or an out-of-bounds view. (Its own test binary: mutated slot
-//! numbers may release counts of slots this process holds, which other tests would feel.)
+//! never a panic, a hang or an out-of-bounds view. A mutated message can only add holds
+//! (the descriptors it carries hold its slots), so other tests would not feel it; it is still
+//! a test binary of its own, so that its many arenas are counted nowhere else.
 
 use std::os::fd::OwnedFd;
 
 use proptest::prelude::*;
-use tensorshare::{wire, DType, Error, NestedTensor, SparseTensor, Tensor};
+use tensorshare::{raw, DType, Error, NestedTensor, SparseTensor, Tensor};
 
 type Payload = (Tensor, Vec<Tensor>, String, Option<SparseTensor>, Option<NestedTensor>);
 
@@ -41,33 +42,32 @@ fn touch(p: &Payload) -> usize {
     n
 }
 
-fn dup(fds: &[std::os::fd::BorrowedFd<'_>]) -> Vec<OwnedFd> {
-    fds.iter().map(|f| f.try_clone_to_owned().unwrap()).collect()
+fn dup(fds: &[OwnedFd]) -> Vec<OwnedFd> {
+    fds.iter().map(|f| f.try_clone().unwrap()).collect()
 }
 
 #[test]
 fn a_valid_message_decodes() {
-    let msg = wire::encode(&sample()).unwrap();
-    let back: Payload = wire::decode(&msg.to_vec(), dup(&msg.fds())).unwrap();
+    let (bytes, fds) = raw::encode(&sample()).unwrap();
+    let back: Payload = raw::decode(&bytes, dup(&fds)).unwrap();
     assert!(back.0.equal(&sample().0));
     assert_eq!(touch(&back), touch(&sample()));
 }
 
 #[test]
 fn missing_and_extra_descriptors_are_invalid() {
-    let msg = wire::encode(&sample()).unwrap();
-    let fds = dup(&msg.fds());
+    let (bytes, fds) = raw::encode(&sample()).unwrap();
     assert!(fds.len() >= 2, "storages of several size classes: several arenas");
     let short = fds[1..].iter().map(|f| f.try_clone().unwrap()).collect();
-    let err = wire::decode::<Payload>(&msg.to_vec(), short).unwrap_err();
+    let err = raw::decode::<Payload>(&bytes, short).unwrap_err();
     assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
-    let mut extra = dup(&msg.fds());
+    let mut extra = dup(&fds);
     extra.push(rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap());
-    assert!(matches!(wire::decode::<Payload>(&msg.to_vec(), extra), Err(Error::InvalidMessage(_))));
+    assert!(matches!(raw::decode::<Payload>(&bytes, extra), Err(Error::InvalidMessage(_))));
     // Descriptors swapped: a segment that is not an arena, or one too small.
-    let mut swapped = dup(&msg.fds());
+    let mut swapped = dup(&fds);
     swapped.reverse();
-    let r = wire::decode::<Payload>(&msg.to_vec(), swapped);
+    let r = raw::decode::<Payload>(&bytes, swapped);
     assert!(r.is_err() || r.is_ok_and(|p| touch(&p) > 0));
 }
 
@@ -76,7 +76,7 @@ proptest! {
 
     #[test]
     fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
-        match wire::decode::<Payload>(&bytes, Vec::new()) {
+        match raw::decode::<Payload>(&bytes, Vec::new()) {
             Ok(p) => { touch(&p); }
             Err(e) => prop_assert!(matches!(e, Error::InvalidMessage(_)), "{}", e),
         }
@@ -84,23 +84,22 @@ proptest! {
 
     #[test]
     fn mutated_messages_never_panic(edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)) {
-        let msg = wire::encode(&sample()).unwrap();
-        let mut bytes = msg.to_vec();
+        let (bytes, fds) = raw::encode(&sample()).unwrap();
+        let mut bytes = bytes;
         for (at, value) in edits {
             let i = at.index(bytes.len());
             bytes[i] = value;
         }
-        if let Ok(p) = wire::decode::<Payload>(&bytes, dup(&msg.fds())) {
+        if let Ok(p) = raw::decode::<Payload>(&bytes, dup(&fds)) {
             touch(&p);
         }
     }
 
     #[test]
     fn truncated_messages_are_invalid(cut in 0usize..400) {
-        let msg = wire::encode(&sample()).unwrap();
-        let bytes = msg.to_vec();
+        let (bytes, fds) = raw::encode(&sample()).unwrap();
         let cut = cut.min(bytes.len() - 1);
-        let r = wire::decode::<Payload>(&bytes[..cut], dup(&msg.fds()));
+        let r = raw::decode::<Payload>(&bytes[..cut], dup(&fds));
         prop_assert!(matches!(r, Err(Error::InvalidMessage(_))));
     }
 }

@@ -1,16 +1,23 @@
 //! A queue's control block: a small memfd that every process holding the queue maps.
 //!
 //! It carries the capacity semaphore (a futex word in shared memory) and tells who holds
-//! the queue: each holding process keeps a POSIX read lock on its first byte, which the
-//! kernel drops when the process dies by any means. "Does anyone else hold this queue?" is
-//! one `F_GETLK`.
+//! the queue, through locks the kernel keeps: each holding process has a description of the
+//! block of its own (opened for this alone) with an OFD read lock on its first byte, which
+//! goes when the process dies by any means. A queue travelling inside a message is held the
+//! same way: the message carries another such description, which lives until the receiver
+//! holds the queue itself and closes it, or until the message is destroyed. "Does anyone
+//! else hold this queue?" is one `F_OFD_GETLK` from this process's description.
+//!
+//! OFD locks rather than POSIX ones: a POSIX lock is dropped when the process closes *any*
+//! descriptor of the file, as receiving a queue it holds already, or sending one, does.
 
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::shm::{Segment, SegmentId};
+use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
 const LEN: usize = 4096;
@@ -28,27 +35,47 @@ struct Block {
 pub(crate) struct Control {
     /// A one-page memfd that every holder of the queue maps.
     seg: Arc<Segment>,
-    /// The process that holds the lock (a forked child must take its own).
-    locked_by: AtomicI32,
+    /// This process's hold: (pid, a read-locked description of its own). A forked child
+    /// shares its parent's description, and replaces it with one of its own.
+    hold: Mutex<(i32, OwnedFd)>,
 }
 
 impl Control {
     /// A new control block for a queue of `capacity` places (None: unbounded).
     pub(crate) fn create(capacity: Option<u32>) -> Result<Control> {
-        let c = Control::with(Segment::create(LEN, SharingStrategy::FileDescriptor)?)?;
+        let seg = Segment::create(LEN, SharingStrategy::FileDescriptor)?;
+        let hold = Mutex::new((getpid(), locked_description(&seg)?));
+        let c = Control { seg: Arc::new(seg), hold };
         c.block().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
     }
 
-    /// Maps a control block received from another process.
-    pub(crate) fn open(fd: OwnedFd) -> Result<Control> {
-        Control::with(Segment::from_fd(fd, LEN)?)
+    /// Maps a control block received from another process. The received descriptor is the
+    /// message's hold: it closes only once this process holds the queue itself.
+    pub(crate) fn open(received: OwnedFd) -> Result<Control> {
+        let own = crate::shm::reopen(received.as_fd())?;
+        let seg = Segment::from_fd(own, LEN)?;
+        let hold = Mutex::new((getpid(), locked_description(&seg)?));
+        drop(received);
+        Ok(Control { seg: Arc::new(seg), hold })
     }
 
-    fn with(seg: Segment) -> Result<Control> {
-        let c = Control { seg: Arc::new(seg), locked_by: AtomicI32::new(0) };
-        c.hold()?;
-        Ok(c)
+    /// A message brought the queue to a process that holds it already: the message's hold
+    /// goes, this process's stays (taken anew in a forked child).
+    pub(crate) fn take_over(&self, received: OwnedFd) -> Result<()> {
+        drop(self.held()?);
+        drop(received);
+        Ok(())
+    }
+
+    /// This process's hold, taken anew if the process was forked since it was taken.
+    fn held(&self) -> Result<std::sync::MutexGuard<'_, (i32, OwnedFd)>> {
+        let mut h = lock(&self.hold);
+        let pid = getpid();
+        if h.0 != pid {
+            *h = (pid, locked_description(&self.seg)?);
+        }
+        Ok(h)
     }
 
     fn block(&self) -> &Block {
@@ -56,11 +83,6 @@ impl Control {
         // page-aligned, lives as long as self, and Block is two atomics: valid for any bit
         // pattern and meant to be used by several processes at once.
         unsafe { &*self.seg.as_ptr().cast::<Block>() }
-    }
-
-    /// The segment, to send along with the queue.
-    pub(crate) fn segment(&self) -> &Arc<Segment> {
-        &self.seg
     }
 
     /// (device, inode): the queue's identity in every process.
@@ -71,26 +93,19 @@ impl Control {
         }
     }
 
-    /// Takes this process's read lock (again: closing any descriptor of the file, or a
-    /// fork, loses it).
-    pub(crate) fn hold(&self) -> Result<()> {
-        let pid = rustix::process::getpid().as_raw_nonzero().get();
-        lock(self.seg.fd().as_raw_fd(), libc::F_SETLK, libc::F_RDLCK as i16)
-            .map_err(|e| Error::io("fcntl(F_SETLK) on a queue", e))?;
-        self.locked_by.store(pid, Ordering::Relaxed);
-        Ok(())
+    /// A descriptor for a message that carries the queue: a description of its own, read-
+    /// locked, so that the queue counts as held while the message is in flight.
+    pub(crate) fn in_flight_hold(&self) -> Result<OwnedFd> {
+        locked_description(&self.seg)
     }
 
-    /// Whether a process other than this one holds the queue.
+    /// Whether a process other than this one, or a message in flight, holds the queue.
     pub(crate) fn others_alive(&self) -> bool {
-        let pid = rustix::process::getpid().as_raw_nonzero().get();
-        if self.locked_by.load(Ordering::Relaxed) != pid {
-            // Forked since the lock was taken: take ours, or the parent looks alone.
-            let _ = self.hold();
-        }
+        let Ok(h) = self.held() else { return true };
         let mut fl = flock(libc::F_WRLCK as i16);
-        // SAFETY: F_GETLK with a valid descriptor and a valid, initialised struct flock.
-        let r = unsafe { libc::fcntl(self.seg.fd().as_raw_fd(), libc::F_GETLK, &mut fl) };
+        // SAFETY: F_OFD_GETLK with a valid descriptor and a valid, initialised struct flock
+        // (l_pid 0), which lives across the call and which the kernel fills in.
+        let r = unsafe { libc::fcntl(h.1.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
         // On error, assume someone is there: waiting on is safer than a false hang-up.
         r != 0 || fl.l_type != libc::F_UNLCK as i16
     }
@@ -150,6 +165,17 @@ impl Control {
     }
 }
 
+/// An OFD lock (`l_type`) on the first byte, owned by the description `fd` refers to.
+fn ofd_lock(fd: i32, l_type: i16) -> Result<()> {
+    let fl = flock(l_type);
+    // SAFETY: F_OFD_SETLK with a valid descriptor and a valid struct flock (l_pid 0, as OFD
+    // locks require), which lives across the call.
+    if unsafe { libc::fcntl(fd, libc::F_OFD_SETLK, &fl) } != 0 {
+        return Err(Error::io("fcntl(F_OFD_SETLK) on a queue", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
 fn flock(l_type: i16) -> libc::flock {
     // SAFETY: struct flock is plain data; all-zero is a valid value to fill in.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
@@ -160,15 +186,13 @@ fn flock(l_type: i16) -> libc::flock {
     fl
 }
 
-/// rustix offers only whole-file OFD locks (shared across processes through inherited
-/// descriptors); liveness needs per-process POSIX record locks, hence libc here.
-fn lock(fd: i32, cmd: i32, l_type: i16) -> std::io::Result<()> {
-    let fl = flock(l_type);
-    // SAFETY: fcntl with a lock command, a valid descriptor and a valid struct flock.
-    let r = unsafe { libc::fcntl(fd, cmd, &fl) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+fn getpid() -> i32 {
+    rustix::process::getpid().as_raw_nonzero().get()
+}
+
+/// A new description of the block, read-locked: a hold that lasts as long as it does.
+fn locked_description(seg: &Segment) -> Result<OwnedFd> {
+    let fd = seg.reopen()?;
+    ofd_lock(fd.as_raw_fd(), libc::F_RDLCK as i16)?;
+    Ok(fd)
 }

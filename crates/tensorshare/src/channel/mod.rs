@@ -3,11 +3,13 @@
 
 mod control;
 mod fd;
+mod frame;
 mod pipe;
 mod queue;
 pub(crate) mod socket;
 
 pub use fd::SharedFd;
+pub use frame::MAX_MESSAGE_ENV;
 pub use pipe::{pipe, Connection};
 pub use queue::{Queue, SimpleQueue};
 

@@ -11,7 +11,9 @@ use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::control::Control;
+use super::frame;
 use super::socket::{self, Deadline};
+use crate::util::lock;
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
 
@@ -34,7 +36,7 @@ fn registry() -> &'static Registry {
 }
 
 pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
-    out.push(Box::new(registry().lock().unwrap_or_else(|p| p.into_inner())));
+    out.push(Box::new(lock(registry())));
 }
 
 impl Core {
@@ -43,7 +45,7 @@ impl Core {
         let control = Control::create(capacity)?;
         let id = control.id()?;
         let core = Arc::new(Core { tx: Arc::new(tx), rx: Arc::new(rx), control });
-        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = lock(registry());
         reg.retain(|_, w| w.strong_count() > 0);
         reg.insert(id, Arc::downgrade(&core));
         Ok(core)
@@ -53,11 +55,10 @@ impl Core {
     fn adopt(tx: OwnedFd, rx: OwnedFd, ctl: OwnedFd) -> Result<Arc<Core>> {
         let st = rustix::fs::fstat(&ctl).map_err(|e| Error::io("fstat of a queue's memfd", e))?;
         let id = (st.st_dev, st.st_ino);
-        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = lock(registry());
         if let Some(core) = reg.get(&id).and_then(Weak::upgrade) {
-            drop((tx, rx, ctl));
-            // Closing the duplicate descriptor dropped this process's lock: take it again.
-            core.control.hold()?;
+            drop((tx, rx));
+            core.control.take_over(ctl)?;
             return Ok(core);
         }
         for fd in [&tx, &rx] {
@@ -80,9 +81,13 @@ impl Core {
     fn put<T: Serialize + ?Sized>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
         let msg = wire::encode(value)?;
         loop {
-            let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
-            if self.control.acquire(slice) {
+            // Try once even when the deadline has passed (try_put, a zero timeout).
+            let slice = deadline.slice();
+            if self.control.acquire(slice.unwrap_or_default()) {
                 break;
+            }
+            if slice.is_none() {
+                return Err(Error::Timeout);
             }
             if !self.others() {
                 return Err(Error::Disconnected);
@@ -94,28 +99,31 @@ impl Core {
     }
 
     fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
-        let record = socket::recv(self.rx.as_fd(), deadline, &|| self.others())?;
+        let record = socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others())?;
         self.take(record)
     }
 
     fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
         let record = match socket::try_recv(self.rx.as_fd())? {
-            socket::Received::Record(r) => r,
+            socket::Received::Record(r) => Ok(r),
+            socket::Received::Bad(e) => Err(e),
             socket::Received::Closed => return Err(Error::Disconnected),
             socket::Received::Empty if self.others() => return Ok(None),
             // Alone: nothing more can come, but a record may have arrived just now.
             socket::Received::Empty => match socket::try_recv(self.rx.as_fd())? {
-                socket::Received::Record(r) => r,
+                socket::Received::Record(r) => Ok(r),
+                socket::Received::Bad(e) => Err(e),
                 _ => return Err(Error::Disconnected),
             },
         };
         self.take(record).map(Some)
     }
 
-    /// A record taken off the queue: its place is free again, and it becomes a value.
-    fn take<T: DeserializeOwned>(&self, record: socket::Record) -> Result<T> {
+    /// A record taken off the queue, good or not: its place is free again, and it becomes
+    /// a value (or an error, having closed what it carried).
+    fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
         self.control.release();
-        wire::decode(&record.bytes, record.fds)
+        frame::decode(record?)
     }
 }
 
@@ -131,7 +139,8 @@ fn serialize_core<S: Serializer>(core: &Core, s: S) -> std::result::Result<S::Ok
         return Err(S::Error::custom("a queue can only travel inside a tensorshare message"));
     }
     let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(S::Error::custom);
-    let ctl = wire::encode_fd(FdSource::Segment(core.control.segment().clone())).map_err(S::Error::custom)?;
+    let hold = core.control.in_flight_hold().map_err(S::Error::custom)?;
+    let ctl = wire::encode_fd(FdSource::Owned(hold)).map_err(S::Error::custom)?;
     CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl }.serialize(s)
 }
 
@@ -198,7 +207,7 @@ queue_type!(
     /// A multi-producer, multi-consumer queue between processes, optionally bounded.
     ///
     /// Clone it, send it inside a message, or pass it to workers: every copy, in every
-    /// process, is the same queue. Values travel as messages (see [`crate::wire`]): tensors
+    /// process, is the same queue. Values travel as messages: tensors
     /// as handles to shared memory, never copied on the way.
     Queue
 );

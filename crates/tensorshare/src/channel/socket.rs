@@ -2,7 +2,7 @@
 //!
 //! A SEQPACKET socket keeps record boundaries and delivers each record whole to one
 //! reader, so many writers and readers in many processes can share one socket without
-//! interleaving. Records above `MAX_INLINE` bytes move their payload into a memfd first.
+//! interleaving. How a message becomes one record is `frame`'s business.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -16,11 +16,9 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
 };
 
-use crate::wire::{Encoded, MAX_FDS};
+use super::frame::{Outgoing, MAX_FDS, MAX_INLINE};
+use crate::wire::Encoded;
 use crate::{Error, Result};
-
-/// Largest record sent as is; a larger payload travels in a memfd.
-pub(crate) const MAX_INLINE: usize = 64 * 1024;
 /// How often a blocked call checks that its peers are still alive.
 const LIVENESS_SLICE: Duration = Duration::from_millis(50);
 /// How long a receive polls the socket before it sleeps. Waking a sleeping process costs
@@ -86,22 +84,17 @@ pub(crate) fn wait(fd: BorrowedFd<'_>, flags: PollFlags, slice: Duration) -> Res
 /// `Disconnected`.
 pub(crate) fn send(
     fd: BorrowedFd<'_>,
-    mut msg: Encoded,
+    msg: Encoded,
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
 ) -> Result<()> {
-    if msg.len() > MAX_INLINE {
-        msg.spill()?;
-    }
+    let mut out = Outgoing::new(msg)?;
     loop {
-        match send_once(fd, &msg) {
-            Ok(()) => {
-                msg.mark_sent();
-                return Ok(());
-            }
+        match send_record(fd, out.parts(), &out.fds()) {
+            Ok(()) => return Ok(()),
             Err(Errno::AGAIN) => {}
-            Err(Errno::MSGSIZE) if !msg.parts()[1].is_empty() => {
-                msg.spill()?;
+            Err(Errno::MSGSIZE) if !out.is_spilled() => {
+                out.spill()?;
                 continue;
             }
             Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
@@ -114,10 +107,6 @@ pub(crate) fn send(
             return Err(Error::Disconnected);
         }
     }
-}
-
-fn send_once(fd: BorrowedFd<'_>, msg: &Encoded) -> rustix::io::Result<()> {
-    send_record(fd, msg.parts(), &msg.fds())
 }
 
 /// One record of `parts` with `fds` attached (at most MAX_FDS), without waiting.
@@ -145,9 +134,19 @@ pub(crate) struct Record {
     pub(crate) fds: Vec<OwnedFd>,
 }
 
+impl Record {
+    /// The message this record carries, as a value.
+    pub(crate) fn decode<T: serde::de::DeserializeOwned>(self) -> Result<T> {
+        super::frame::decode(self)
+    }
+}
+
 /// What a receive attempt found.
 pub(crate) enum Received {
     Record(Record),
+    /// A record was taken off the socket but cannot be a message (its descriptors were cut
+    /// off, it was too long, or it was empty); what it carried is closed.
+    Bad(Error),
     /// Every writer's end is closed.
     Closed,
     /// Nothing yet.
@@ -190,17 +189,25 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
         }
     }
     if r.flags.contains(ReturnFlags::CTRUNC) {
-        return Err(Error::InvalidMessage(format!(
+        return Ok(Received::Bad(Error::InvalidMessage(format!(
             "the message's descriptors were cut off ({} arrived): this process has reached its \
              descriptor limit (RLIMIT_NOFILE); raise it or hold fewer shared segments",
             fds.len()
-        )));
+        ))));
     }
     if r.flags.contains(ReturnFlags::TRUNC) {
-        return Err(Error::invalid(format!("a record larger than {cap} bytes")));
+        return Ok(Received::Bad(Error::invalid(format!("a record larger than {cap} bytes"))));
     }
     if r.bytes == 0 && fds.is_empty() {
-        return Ok(Received::Closed);
+        // The end of the stream, or a record of no bytes that a peer sent: only the first
+        // shows as a hang-up.
+        let mut pfd = [PollFd::from_borrowed_fd(fd, PollFlags::RDHUP)];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        let _ = rustix::event::poll(&mut pfd, Some(&zero));
+        if pfd[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP) {
+            return Ok(Received::Closed);
+        }
+        return Ok(Received::Bad(Error::invalid("an empty record is not a message")));
     }
     Ok(Received::Record(Record { bytes: bytes[..r.bytes].to_vec(), fds }))
 }
@@ -208,10 +215,21 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
 /// Waits for a record until the deadline. `alive` says whether a writer can still exist;
 /// when it says no while nothing is waiting, the result is `Disconnected`.
 pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> bool) -> Result<Record> {
+    recv_taken(fd, deadline, alive)?
+}
+
+/// [`recv`], telling apart a record that was taken off the socket but is no message (the
+/// inner error) from a receive that took nothing.
+pub(crate) fn recv_taken(
+    fd: BorrowedFd<'_>,
+    deadline: Deadline,
+    alive: &dyn Fn() -> bool,
+) -> Result<Result<Record>> {
     let spin_until = Instant::now() + SPIN;
     loop {
         match try_recv(fd)? {
-            Received::Record(r) => return Ok(r),
+            Received::Record(r) => return Ok(Ok(r)),
+            Received::Bad(e) => return Ok(Err(e)),
             Received::Closed => return Err(Error::Disconnected),
             Received::Empty => {}
         }
@@ -224,7 +242,8 @@ pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> b
         if !wait(fd, PollFlags::IN, slice)? && !alive() {
             // A record may have arrived just before the last writer went away.
             return match try_recv(fd)? {
-                Received::Record(r) => Ok(r),
+                Received::Record(r) => Ok(Ok(r)),
+                Received::Bad(e) => Ok(Err(e)),
                 _ => Err(Error::Disconnected),
             };
         }

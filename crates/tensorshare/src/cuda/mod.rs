@@ -115,7 +115,7 @@ impl Tensor {
             .ok_or_else(|| Error::shape(format!("the byte size of {shape:?} overflows")))?;
         match device {
             Device::Cuda(i) => {
-                let storage = Storage::from_shared(len, Shared::Device(Allocation::new(i, len)?));
+                let storage = Storage::from_shared(len, Shared::Device(Box::new(Allocation::new(i, len)?)));
                 Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
             }
             Device::Cpu => Ok(Tensor::from_parts(Storage::new(len), dtype, shape.to_vec())),

@@ -9,7 +9,6 @@ use rustix::process::{Pid, Signal, WaitId, WaitIdOptions};
 use super::error::{signal_name, Failure, ProcessError};
 use super::worker::Report;
 use crate::channel::socket::{self, Received};
-use crate::wire;
 
 /// How long workers get between SIGTERM and SIGKILL after another one failed (torch's
 /// default).
@@ -205,7 +204,7 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
 
 fn read_report(job: &OwnedFd) -> Option<Report> {
     match socket::try_recv(job.as_fd()) {
-        Ok(Received::Record(r)) => wire::decode(&r.bytes, r.fds).ok(),
+        Ok(Received::Record(r)) => r.decode().ok(),
         _ => None,
     }
 }

@@ -48,7 +48,7 @@ fn request(s: &Server, job: &OwnedFd) -> Result<rustix::process::Pid> {
     socket::send(s.sock.as_fd(), msg, Deadline::after(None), &|| true)?;
     let reply =
         socket::recv(s.sock.as_fd(), Deadline::after(Some(std::time::Duration::from_secs(30))), &|| true)?;
-    let pid: std::result::Result<i32, String> = wire::decode(&reply.bytes, reply.fds)?;
+    let pid: std::result::Result<i32, String> = reply.decode()?;
     let pid = pid.map_err(|e| Error::io("the fork server's fork", std::io::Error::other(e)))?;
     rustix::process::Pid::from_raw(pid).ok_or_else(|| Error::invalid("the fork server sent pid 0"))
 }
@@ -83,6 +83,7 @@ pub(crate) fn serve(sock: OwnedFd, ppid: i32) -> ! {
                 );
                 continue;
             }
+            Ok(Received::Bad(_)) => continue,
             Ok(Received::Closed) | Err(_) => exit_now(0),
         };
         let mut fds = record.fds;

@@ -142,8 +142,8 @@ macro_rules! closure {
 pub(crate) type Entry = fn(Record) -> JobResult;
 
 pub(crate) fn entry<J: Job<A>, A: DeserializeOwned>(record: Record) -> JobResult {
-    let (rank, state, args): (usize, J::State, A) = wire::decode(&record.bytes, record.fds)
-        .map_err(|e| format!("cannot decode the job's arguments: {e}"))?;
+    let (rank, state, args): (usize, J::State, A) =
+        record.decode().map_err(|e| format!("cannot decode the job's arguments: {e}"))?;
     J::run(state, rank, args)
 }
 

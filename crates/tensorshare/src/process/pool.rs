@@ -44,8 +44,7 @@ where
     T: DeserializeOwned,
     U: Serialize,
 {
-    let item: T =
-        wire::decode(&record.bytes, record.fds).map_err(|e| format!("cannot decode the task: {e}"))?;
+    let item: T = record.decode().map_err(|e| format!("cannot decode the task: {e}"))?;
     let out = conjure::<F>()(item);
     wire::encode(&out).map_err(|e| format!("cannot encode the result: {e}"))
 }
@@ -71,7 +70,7 @@ fn pool_worker(
             Err(Error::Disconnected) => return Ok(()),
             Err(e) => return Err(e.to_string()),
         };
-        let name: EntryName = wire::decode(&head.bytes, head.fds).map_err(|e| e.to_string())?;
+        let name: EntryName = head.decode().map_err(|e| e.to_string())?;
         let entry: TaskEntry = name.resolve_task().ok_or("a task not in this executable")?;
         let payload = socket::recv(fd.as_fd(), Deadline::after(None), &|| true).map_err(|e| e.to_string())?;
         let mut result = None;
@@ -346,7 +345,7 @@ where
             Ok(socket::Received::Record(r)) => r,
             _ => return None,
         };
-        let outcome: Outcome = match wire::decode(&head.bytes, head.fds) {
+        let outcome: Outcome = match head.decode() {
             Ok(o) => o,
             Err(e) => return Some(Err(e)),
         };
@@ -356,8 +355,9 @@ where
                 pid,
                 failure: Failure::Raised { message, location, backtrace },
             })),
-            Outcome::Ok => socket::recv(w.sock.as_fd(), Deadline::after(None), &|| true)
-                .and_then(|r| wire::decode::<U>(&r.bytes, r.fds)),
+            Outcome::Ok => {
+                socket::recv(w.sock.as_fd(), Deadline::after(None), &|| true).and_then(|r| r.decode::<U>())
+            }
         })
     }
 

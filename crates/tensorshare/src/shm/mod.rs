@@ -7,12 +7,13 @@
 pub mod group;
 mod limits;
 mod named;
+pub(crate) mod sealed;
 mod tools;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
-use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 
@@ -37,6 +38,17 @@ pub enum SegmentId {
     Name(String),
 }
 
+/// The identity of an open file, (st_dev, st_ino), as the kernel reports it for a
+/// descriptor: what the receive cache keys arenas by, so that a process names an arena
+/// only through a descriptor it holds.
+pub type FileId = (u64, u64);
+
+/// The identity of the file `fd` refers to.
+pub(crate) fn file_id(fd: BorrowedFd<'_>) -> Result<FileId> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat of a shared-memory descriptor", e))?;
+    Ok((st.st_dev, st.st_ino))
+}
+
 /// A shared-memory segment mapped into this process (read and write).
 ///
 /// The descriptor is kept open so that the segment can be sent on to other processes.
@@ -45,6 +57,8 @@ pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     id: SegmentId,
+    /// (st_dev, st_ino) of the file, read from its descriptor.
+    file: FileId,
     /// For a named segment that this process created: unlink it on drop.
     owned_name: Option<String>,
 }
@@ -69,12 +83,14 @@ impl Segment {
         assert!(len > 0, "Segment::create needs a positive length");
         match strategy {
             SharingStrategy::FileDescriptor => {
-                let fd = rustix::fs::memfd_create("tensorshare", MemfdFlags::CLOEXEC)
-                    .map_err(|e| Error::io("memfd_create", e))?;
+                let fd =
+                    rustix::fs::memfd_create("tensorshare", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+                        .map_err(|e| Error::io("memfd_create", e))?;
                 reserve(&fd, len, "memfd")?;
+                seal(&fd)?;
                 let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a new memfd", e))?;
                 let id = SegmentId::Inode { dev: st.st_dev, ino: st.st_ino };
-                Segment::map(fd, len, id, None)
+                Segment::map(fd, len, id, (st.st_dev, st.st_ino), None)
             }
             SharingStrategy::FileSystem => {
                 let (fd, name) = named::create_exclusive()?;
@@ -83,18 +99,28 @@ impl Segment {
                     named::unlink(&name);
                     return Err(e);
                 }
-                Segment::map(fd, len, SegmentId::Name(name.clone()), Some(name))
+                let file = match file_id(fd.as_fd()) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        named::unlink(&name);
+                        return Err(e);
+                    }
+                };
+                Segment::map(fd, len, SegmentId::Name(name.clone()), file, Some(name))
             }
         }
     }
 
     /// Maps a memfd received from another process. `min_len` is the size the sender
-    /// claims; the file must be at least that long.
+    /// claims; the file must be at least that long. Only a memfd sealed against shrinking
+    /// and growing is accepted: nobody, the sender included, can then cut the pages this
+    /// process maps, so touching them can never raise SIGBUS.
     pub fn from_fd(fd: OwnedFd, min_len: usize) -> Result<Segment> {
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received fd", e))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(Error::invalid("a received descriptor is not a shared-memory file"));
         }
+        check_sealed(&fd)?;
         let size = usize::try_from(st.st_size)
             .map_err(|_| Error::invalid("a received shared-memory file has a negative size"))?;
         if size < min_len || size == 0 {
@@ -102,23 +128,49 @@ impl Segment {
                 "a received shared-memory file has {size} bytes, the message claims {min_len}"
             )));
         }
-        Segment::map(fd, size, SegmentId::Inode { dev: st.st_dev, ino: st.st_ino }, None)
+        Segment::map(
+            fd,
+            size,
+            SegmentId::Inode { dev: st.st_dev, ino: st.st_ino },
+            (st.st_dev, st.st_ino),
+            None,
+        )
     }
 
-    /// Opens and maps a named segment made by another process.
-    pub fn open_named(name: &str, min_len: usize) -> Result<Segment> {
-        let fd = named::open_existing(name)?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::io(format!("fstat of {name}"), e))?;
-        let size = usize::try_from(st.st_size).unwrap_or(0);
-        if size < min_len || size == 0 {
-            return Err(Error::invalid(format!(
-                "shared-memory segment {name} has {size} bytes, the message claims {min_len}"
-            )));
+    /// Maps a descriptor of a named segment received from another process: accepted only
+    /// if `name` is a segment name and the file of that name in the shared-memory directory
+    /// is the very file the descriptor refers to, so that nothing but our own segments (no
+    /// file on disk, no memfd claiming a name) is taken for one.
+    ///
+    /// Named files cannot be sealed: see the threat model in the README for what a peer
+    /// that truncates one can do.
+    pub fn from_named_fd(fd: OwnedFd, name: &str) -> Result<Segment> {
+        if !is_valid_name(name) {
+            return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
         }
-        Segment::map(fd, size, SegmentId::Name(name.to_owned()), None)
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received fd", e))?;
+        let on_disk = rustix::fs::stat(limits::shm_dir().join(name)).map_err(|e| {
+            Error::invalid(format!("received segment {name} is not in the shared-memory directory: {e}"))
+        })?;
+        if (st.st_dev, st.st_ino) != (on_disk.st_dev, on_disk.st_ino)
+            || rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+        {
+            return Err(Error::invalid(format!("a received descriptor is not segment {name}")));
+        }
+        let size = usize::try_from(st.st_size)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| Error::invalid(format!("received segment {name} is empty")))?;
+        Segment::map(fd, size, SegmentId::Name(name.to_owned()), (st.st_dev, st.st_ino), None)
     }
 
-    fn map(fd: OwnedFd, len: usize, id: SegmentId, owned_name: Option<String>) -> Result<Segment> {
+    fn map(
+        fd: OwnedFd,
+        len: usize,
+        id: SegmentId,
+        file: FileId,
+        owned_name: Option<String>,
+    ) -> Result<Segment> {
         // SAFETY: a fresh shared mapping of a file we hold open; no Rust object aliases the
         // returned range until this `Segment` hands it out. A file shorter than the mapping
         // is excluded above (fstat or our own reservation), so no access faults.
@@ -142,11 +194,17 @@ impl Segment {
             }
         };
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
-        Ok(Segment { fd, ptr, len, id, owned_name })
+        Ok(Segment { fd, ptr, len, id, file, owned_name })
     }
 
     /// The first byte of the mapping.
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The first byte of the mapping, to write through. Other processes map the same
+    /// pages: see the crate's memory model for who may write what.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
@@ -165,6 +223,11 @@ impl Segment {
         &self.id
     }
 
+    /// The file's identity (device, inode).
+    pub fn file_id(&self) -> FileId {
+        self.file
+    }
+
     /// The file name, for a named segment.
     pub fn name(&self) -> Option<&str> {
         match &self.id {
@@ -177,6 +240,46 @@ impl Segment {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+
+    /// A new open file description of the same file (not a `dup`, which shares one): file
+    /// locks taken on it (OFD locks) belong to it alone and live exactly as long as some
+    /// descriptor refers to it, in this process, in a message in flight, or elsewhere.
+    pub(crate) fn reopen(&self) -> Result<OwnedFd> {
+        reopen(self.fd.as_fd())
+    }
+}
+
+/// A new open file description of the file `fd` refers to, through `/proc/self/fd`.
+pub(crate) fn reopen(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    rustix::fs::open(
+        path.as_str(),
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| Error::io("reopening a shared-memory segment through /proc/self/fd (is /proc mounted?)", e))
+}
+
+/// The seals every memfd of ours carries once sized: its length can never change again, and
+/// no further seal can be added.
+const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
+
+fn seal(fd: &OwnedFd) -> Result<()> {
+    rustix::fs::fcntl_add_seals(fd, SEALS).map_err(|e| Error::io("sealing a memfd", e))
+}
+
+/// Refuses a memfd whose size a peer could still change (or a file that is no memfd).
+pub(crate) fn check_sealed(fd: &OwnedFd) -> Result<()> {
+    let seals = rustix::fs::fcntl_get_seals(fd)
+        .map_err(|_| Error::invalid("a received descriptor is not a memfd (it cannot be sealed)"))?;
+    if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        return Err(Error::invalid(
+            "a received memfd is not sealed against shrinking and growing: refused, since a peer could \
+             truncate it under this process's mapping",
+        ));
+    }
+    Ok(())
 }
 
 impl Drop for Segment {

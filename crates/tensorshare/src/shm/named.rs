@@ -52,15 +52,6 @@ pub(super) fn create_exclusive() -> Result<(OwnedFd, String)> {
     Err(Error::io("creating a named segment", std::io::Error::other("no free name after 16 tries")))
 }
 
-pub(super) fn open_existing(name: &str) -> Result<OwnedFd> {
-    if !is_valid_name(name) {
-        return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
-    }
-    let path = shm_dir().join(name);
-    rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty())
-        .map_err(|e| Error::io(format!("opening shared-memory segment {}", path.display()), e))
-}
-
 /// Removes a named segment's file; the memory lives on while anyone maps it.
 pub fn unlink(name: &str) {
     let _ = rustix::fs::unlink(shm_dir().join(name));

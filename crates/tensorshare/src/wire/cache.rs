@@ -7,8 +7,9 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::arena::Arena;
-use crate::shm::SegmentId;
+use crate::shm::FileId;
 use crate::storage::Inner;
+use crate::Storage;
 
 /// Entries before the first sweep of dead ones; afterwards twice the live count (torch's
 /// policy: amortised O(1), and the map never holds many more dead entries than live ones).
@@ -73,14 +74,15 @@ impl<K: Eq + Hash, V> WeakMap<K, V> {
         }
     }
 
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.map.len()
     }
 }
 
 pub(crate) struct Cache {
-    arenas: WeakMap<SegmentId, Arena>,
-    storages: WeakMap<(SegmentId, u32), Inner>,
+    arenas: WeakMap<FileId, Arena>,
+    storages: WeakMap<(FileId, u32), Inner>,
     recent: VecDeque<Arc<Arena>>,
     /// Device storages by their allocation's id.
     #[cfg(feature = "cuda")]
@@ -88,14 +90,16 @@ pub(crate) struct Cache {
 }
 
 impl Cache {
-    pub(crate) fn arena(&mut self, id: &SegmentId) -> Option<Arc<Arena>> {
-        let a = self.arenas.get(id)?;
+    /// This process's arena for a file, if it maps one (an arena inherited through fork is
+    /// not this process's: a new one replaces it).
+    pub(crate) fn arena(&mut self, id: FileId) -> Option<Arc<Arena>> {
+        let a = self.arenas.get(&id).filter(|a| a.is_own())?;
         self.touch(&a);
         Some(a)
     }
 
     pub(crate) fn insert_arena(&mut self, arena: &Arc<Arena>) {
-        self.arenas.insert(arena.segment().id().clone(), arena);
+        self.arenas.insert(arena.segment().file_id(), arena);
         arena.cached.store(true, std::sync::atomic::Ordering::Relaxed);
         self.touch(arena);
     }
@@ -110,12 +114,17 @@ impl Cache {
         self.recent.push_back(arena.clone());
     }
 
-    pub(crate) fn storage(&self, id: &SegmentId, slot: u32) -> Option<Arc<Inner>> {
-        self.storages.get(&(id.clone(), slot))
+    pub(crate) fn storage(&self, id: FileId, slot: u32) -> Option<Arc<Inner>> {
+        let inner = self.storages.get(&(id, slot))?;
+        // A storage inherited through fork sits on its parent's arena object.
+        match Storage::from_inner(inner.clone()).shared() {
+            Some(crate::storage::Shared::Slot(s)) if !s.arena().is_own() => None,
+            _ => Some(inner),
+        }
     }
 
-    pub(crate) fn insert_storage(&mut self, id: &SegmentId, slot: u32, inner: &Arc<Inner>) {
-        self.storages.insert((id.clone(), slot), inner);
+    pub(crate) fn insert_storage(&mut self, id: FileId, slot: u32, inner: &Arc<Inner>) {
+        self.storages.insert((id, slot), inner);
         inner.cached.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -153,14 +162,8 @@ pub(crate) fn cache() -> MutexGuard<'static, Cache> {
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// Sizes of the receive cache: (arena entries, storage entries), live or not yet swept.
-pub fn cache_entries() -> (usize, usize) {
-    let c = cache();
-    (c.arenas.len(), c.storages.len())
-}
-
 /// Unmaps arenas that are kept mapped only for speed, so that their memory can be returned.
-pub fn release_cached_mappings() {
+pub(crate) fn release_cached_mappings() {
     cache().clear_recent();
 }
 

@@ -1,0 +1,240 @@
+//! Messages back into values, every handle checked before use.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+
+use super::header::{self, SegmentDesc, StorageDesc};
+use super::{cache, DECODING};
+use crate::arena::{Arena, Slot};
+use crate::shm::Segment;
+use crate::storage::Shared;
+use crate::{Error, Result, Storage};
+
+pub(super) struct DecodeCtx {
+    storages: Vec<Storage>,
+    fds: Vec<Option<OwnedFd>>,
+}
+
+/// Takes a descriptor of the message being decoded (each can be taken once).
+pub(crate) fn decode_fd(index: u32) -> Result<OwnedFd> {
+    DECODING.with(|c| {
+        let mut c = c.borrow_mut();
+        let ctx =
+            c.as_mut().ok_or_else(|| Error::invalid("an endpoint handle outside a tensorshare message"))?;
+        ctx.fds
+            .get_mut(index as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| Error::invalid(format!("descriptor {index} is missing or used twice")))
+    })
+}
+
+/// The storage at `index` of the message being decoded.
+pub(crate) fn decode_storage(index: u32) -> Result<Storage> {
+    DECODING.with(|c| {
+        let c = c.borrow();
+        let ctx =
+            c.as_ref().ok_or_else(|| Error::invalid("a tensor handle outside a tensorshare message"))?;
+        ctx.storages.get(index as usize).cloned().ok_or_else(|| {
+            Error::invalid(format!("storage {index} is not in the message's table of {}", ctx.storages.len()))
+        })
+    })
+}
+
+/// Turns a message (bytes and the descriptors that came with it) back into a value,
+/// checking every handle. A malformed message is [`Error::InvalidMessage`]; its
+/// descriptors are closed, which gives back whatever it held.
+pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>) -> Result<T> {
+    let (header, body) = header::parse(message)?;
+    if fds.len() != header.nfds as usize {
+        return Err(Error::invalid(format!(
+            "the message names {} descriptors but {} came with it",
+            header.nfds,
+            fds.len()
+        )));
+    }
+    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+    // The arenas' descriptors stay open until this process holds its own locks on the
+    // slots it keeps: until then they are what holds them.
+    let mut carried = Vec::with_capacity(header.segments.len());
+    let mut arenas = Vec::with_capacity(header.segments.len());
+    for d in &header.segments {
+        let fd = fds
+            .get_mut(d.fd as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd)))?;
+        arenas.push(resolve_arena(d, fd.as_fd())?);
+        carried.push(fd);
+    }
+    let storages = resolve_storages(&header.storages, &arenas, &mut fds)?;
+    drop(carried);
+    DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DECODING.with(|c| c.borrow_mut().take());
+        }
+    }
+    let _reset = Reset;
+    postcard::from_bytes::<T>(&message[body..])
+        .map_err(|e| Error::invalid(format!("the message's value: {e}")))
+}
+
+/// The arena a received descriptor refers to: this process's own mapping of it if it has
+/// one (found by the identity the kernel reports for the descriptor, never by a claim of
+/// the message), else a new mapping through a description of this process's own.
+fn resolve_arena(d: &SegmentDesc, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc<Arena>> {
+    let id = crate::shm::file_id(fd)?;
+    if let Some(a) = cache::cache().arena(id) {
+        return Ok(a);
+    }
+    let own = crate::shm::reopen(fd)?;
+    let seg = match &d.name {
+        None => Segment::from_fd(own, 0)?,
+        Some(name) => Segment::from_named_fd(own, name)?,
+    };
+    if seg.file_id() != id {
+        return Err(Error::invalid("a received segment changed identity while it was opened"));
+    }
+    let arena = Arc::new(Arena::open(seg)?);
+    cache::cache().insert_arena(&arena);
+    Ok(arena)
+}
+
+/// Resolves every storage of the table: the storage this process already has for a slot,
+/// or a new handle of it, which takes this process's hold.
+fn resolve_storages(
+    descs: &[StorageDesc],
+    arenas: &[Arc<Arena>],
+    fds: &mut [Option<OwnedFd>],
+) -> Result<Vec<Storage>> {
+    let mut out = Vec::with_capacity(descs.len());
+    // Send events to wait on, once each (a message has one per device).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut events = Vec::new();
+    for d in descs {
+        let s = match d {
+            StorageDesc::Empty(s) => Storage::from_shared(0, Shared::Empty(*s)),
+            StorageDesc::Slot { segment, slot, len } => {
+                let arena = arenas.get(*segment as usize).ok_or_else(|| {
+                    Error::invalid(format!("storage names segment {segment}, which is not in the message"))
+                })?;
+                resolve_slot(arena, *slot, *len)?
+            }
+            StorageDesc::Device(d) => resolve_device(d, fds, &mut events)?,
+        };
+        out.push(s);
+    }
+    #[cfg(feature = "cuda")]
+    for (device, handle) in events {
+        crate::cuda::wait_received(device, &handle)?;
+    }
+    Ok(out)
+}
+
+fn resolve_slot(arena: &Arc<Arena>, slot: u32, len: u64) -> Result<Storage> {
+    if slot >= arena.nslots() {
+        return Err(Error::invalid(format!("slot {slot} is outside an arena of {} slots", arena.nslots())));
+    }
+    let len = usize::try_from(len).ok().filter(|&l| l <= arena.slot_size() && l > 0).ok_or_else(|| {
+        Error::invalid(format!(
+            "a storage of {len} bytes does not fit its slot of {} bytes",
+            arena.slot_size()
+        ))
+    })?;
+    let mut cache = cache::cache();
+    let id = arena.segment().file_id();
+    if let Some(inner) = cache.storage(id, slot) {
+        let existing = Storage::from_inner(inner);
+        if existing.len() != len {
+            return Err(Error::invalid(format!(
+                "a storage of {len} bytes names a slot that holds one of {} here",
+                existing.len()
+            )));
+        }
+        return Ok(existing);
+    }
+    let storage = Storage::from_shared(len, Shared::Slot(Slot::hold(arena.clone(), slot)?));
+    cache.insert_storage(id, slot, &storage.inner);
+    Ok(storage)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn resolve_device(
+    d: &super::header::DeviceDesc,
+    _fds: &mut [Option<OwnedFd>],
+    _events: &mut Vec<()>,
+) -> Result<Storage> {
+    Err(Error::Device(format!(
+        "a tensor on cuda:{} arrived, but this build has no CUDA support (feature `cuda`)",
+        d.device
+    )))
+}
+
+/// Resolves a device allocation: the storage this process already has for it, or a new
+/// one (the creator's own allocation coming back, or an import). Either way the sender's
+/// event joins `events`, which this process's stream waits on before the value is built.
+#[cfg(feature = "cuda")]
+fn resolve_device(
+    d: &super::header::DeviceDesc,
+    fds: &mut [Option<OwnedFd>],
+    events: &mut Vec<(u32, crate::cuda::IpcBytes)>,
+) -> Result<Storage> {
+    use super::header::DeviceMemory;
+    use crate::cuda::{AllocId, Allocation, Export, IpcBytes};
+    let mut take = |i: u32| {
+        fds.get_mut(i as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| Error::invalid(format!("device descriptor {i} is missing or used twice")))
+    };
+    let lease = take(d.lease)?;
+    let export = match &d.memory {
+        DeviceMemory::Fd(i) => Export::Fd(Arc::new(take(*i)?)),
+        DeviceMemory::Ipc(h) => Export::Ipc(
+            IpcBytes::try_from(h.as_slice())
+                .map_err(|_| Error::invalid("an IPC memory handle is not 64 bytes"))?,
+        ),
+    };
+    let event = match &d.event {
+        None => None,
+        Some(h) => Some(
+            IpcBytes::try_from(h.as_slice())
+                .map_err(|_| Error::invalid("an event handle is not 64 bytes"))?,
+        ),
+    };
+    let size = usize::try_from(d.size).map_err(|_| Error::invalid("a device allocation's size overflows"))?;
+    let len = usize::try_from(d.len).ok().filter(|&l| l <= size).ok_or_else(|| {
+        Error::invalid(format!("a device storage of {} bytes in an allocation of {size}", d.len))
+    })?;
+    let id = AllocId { origin: d.id.0, serial: d.id.1 };
+    let storage = {
+        let mut cache = cache::cache();
+        match cache.device(&id) {
+            Some(inner) => {
+                let existing = Storage::from_inner(inner);
+                if existing.len() != len || existing.device() != crate::Device::Cuda(d.device) {
+                    return Err(Error::invalid(format!(
+                        "a storage of {len} bytes on cuda:{} names an allocation held here as {} bytes on {}",
+                        d.device,
+                        existing.len(),
+                        existing.device()
+                    )));
+                }
+                existing // the message's lease and handle close: this process holds it already
+            }
+            None => {
+                let alloc = Allocation::receive(d.device, id, size, export, lease)?;
+                let s = Storage::from_shared(len, Shared::Device(Box::new(alloc)));
+                cache.insert_device(id, &s.inner);
+                s
+            }
+        }
+    };
+    if let Some(h) = event {
+        if !events.contains(&(d.device, h)) {
+            events.push((d.device, h));
+        }
+    }
+    Ok(storage)
+}

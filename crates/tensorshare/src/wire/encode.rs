@@ -1,0 +1,162 @@
+//! Values into messages.
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::header::{self, Header, SegmentDesc, StorageDesc};
+use super::{cache, Encoded, FdSource, ENCODING};
+use crate::arena::Arena;
+use crate::storage::Shared;
+use crate::{Error, Result, Storage};
+
+#[derive(Default)]
+pub(super) struct EncodeCtx {
+    fds: Vec<FdSource>,
+    fd_index: HashMap<i32, u32>,
+    /// Arenas named so far, in table order, with the slots the message names in each.
+    segments: Vec<(Arc<Arena>, Vec<u32>)>,
+    segment_index: HashMap<*const Arena, u32>,
+    storages: Vec<StorageDesc>,
+    storage_index: HashMap<*const crate::storage::Inner, u32>,
+    /// The send event recorded for this message, per device: one record covers every
+    /// CUDA storage of the message on that device.
+    #[cfg(feature = "cuda")]
+    events: HashMap<u32, crate::cuda::IpcBytes>,
+}
+
+/// Turns `value` into a message: tensors become handles to shared memory. A private
+/// storage is moved into shared memory first, in place, for all of its handles (as torch
+/// does), so that the sender and the receiver see the same bytes.
+pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            // Leave no context behind, also when a Serialize impl panics.
+            ENCODING.with(|c| c.borrow_mut().take());
+        }
+    }
+    if ENCODING.with(|c| c.borrow().is_some()) {
+        return Err(Error::Serialize("encode called while encoding another message".into()));
+    }
+    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::default()));
+    let reset = Reset;
+    let payload = postcard::to_allocvec(value).map_err(|e| Error::Serialize(e.to_string()));
+    let ctx = ENCODING.with(|c| c.borrow_mut().take());
+    drop(reset);
+    let mut ctx = ctx.ok_or_else(|| Error::Serialize("the message's encoding context vanished".into()))?;
+    let payload = payload?;
+    // The arenas' descriptors last: each is a send description with the message's slots
+    // locked on it, taken only now that the whole value is known.
+    let mut segments = Vec::with_capacity(ctx.segments.len());
+    for (arena, slots) in std::mem::take(&mut ctx.segments) {
+        let fd = arena.send_hold(&slots)?;
+        let name = arena.segment().name().map(str::to_owned);
+        segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name });
+    }
+    let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
+    let header = Header { nfds, segments, storages: ctx.storages };
+    let mut bytes = header::frame(&header, payload.len())?;
+    bytes.extend_from_slice(&payload);
+    Ok(Encoded { bytes, fds: ctx.fds })
+}
+
+/// Adds a descriptor to the message being encoded; returns its index.
+pub(crate) fn encode_fd(source: FdSource) -> Result<u32> {
+    ENCODING.with(|c| {
+        let mut c = c.borrow_mut();
+        let ctx = c.as_mut().ok_or_else(|| Error::Serialize("not encoding a message".into()))?;
+        Ok(push_fd(ctx, source))
+    })
+}
+
+fn push_fd(ctx: &mut EncodeCtx, source: FdSource) -> u32 {
+    let raw = source.fd().as_raw_fd();
+    *ctx.fd_index.entry(raw).or_insert_with(|| {
+        ctx.fds.push(source);
+        (ctx.fds.len() - 1) as u32
+    })
+}
+
+/// Adds a storage to the message being encoded; returns its index in the storage table.
+pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
+    ENCODING.with(|c| {
+        let mut c = c.borrow_mut();
+        let ctx = c.as_mut().ok_or_else(|| Error::Serialize("not encoding a message".into()))?;
+        let key = Arc::as_ptr(&storage.inner);
+        if let Some(&i) = ctx.storage_index.get(&key) {
+            return Ok(i);
+        }
+        if storage.shared().is_none() {
+            storage.share_memory()?;
+        }
+        let desc = match storage.shared() {
+            None => return Err(Error::Serialize("a storage that is not shared after share_memory".into())),
+            Some(Shared::Empty(s)) => StorageDesc::Empty(*s),
+            Some(Shared::Slot(slot)) => {
+                let arena = slot.arena();
+                if !storage.inner.cached.load(Ordering::Relaxed) {
+                    // So that the storage is found again if it comes back to this process.
+                    let mut cache = cache::cache();
+                    cache.insert_storage(arena.segment().file_id(), slot.slot(), &storage.inner);
+                    if !arena.cached.load(Ordering::Relaxed) {
+                        cache.insert_arena(arena);
+                    }
+                }
+                let segment = match ctx.segment_index.get(&Arc::as_ptr(arena)) {
+                    Some(&i) => i,
+                    None => {
+                        ctx.segments.push((arena.clone(), Vec::new()));
+                        let i = (ctx.segments.len() - 1) as u32;
+                        ctx.segment_index.insert(Arc::as_ptr(arena), i);
+                        i
+                    }
+                };
+                ctx.segments[segment as usize].1.push(slot.slot());
+                StorageDesc::Slot { segment, slot: slot.slot(), len: storage.len() as u64 }
+            }
+            #[cfg(feature = "cuda")]
+            Some(Shared::Device(alloc)) => {
+                if !storage.inner.cached.load(Ordering::Relaxed) {
+                    cache::cache().insert_device(alloc.id, &storage.inner);
+                }
+                device_desc(ctx, alloc, storage.len())?
+            }
+        };
+        ctx.storages.push(desc);
+        let i = (ctx.storages.len() - 1) as u32;
+        ctx.storage_index.insert(key, i);
+        Ok(i)
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize) -> Result<StorageDesc> {
+    use super::header::{DeviceDesc, DeviceMemory};
+    let (export, lease) = alloc.wire_parts()?;
+    let memory = match export {
+        crate::cuda::Export::Fd(fd) => DeviceMemory::Fd(push_fd(ctx, FdSource::Fd(fd))),
+        crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
+    };
+    let lease = push_fd(ctx, FdSource::Fd(lease));
+    let event = match ctx.events.get(&alloc.device) {
+        Some(e) => *e,
+        None => {
+            let e = crate::cuda::record_for_send(alloc.device)?;
+            ctx.events.insert(alloc.device, e);
+            e
+        }
+    };
+    Ok(StorageDesc::Device(DeviceDesc {
+        device: alloc.device,
+        id: (alloc.id.origin, alloc.id.serial),
+        size: alloc.size as u64,
+        len: len as u64,
+        memory,
+        lease,
+        event: Some(event.to_vec()),
+    }))
+}

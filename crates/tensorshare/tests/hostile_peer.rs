@@ -1,0 +1,365 @@
+//! A hostile peer against honest processes: replayed and duplicated messages, descriptors it
+//! truncates or forges, oversized claims, sockets and files that are not what a message
+//! says, deaths at any moment. Afterwards the honest processes hold correct data, none of
+//! them crashed, and nothing is left held or on disk.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use tensorshare::channel::SharedFd;
+use tensorshare::{pipe, raw, spawn, Connection, DType, Error, Queue, SharingStrategy, Tensor};
+
+tensorshare::enable_test_workers!();
+
+#[macro_use]
+mod common;
+
+type Raw = (Vec<u8>, Vec<SharedFd>);
+
+/// A message as one channel record: a frame byte with no flags, then the message.
+fn record(message: &[u8]) -> Vec<u8> {
+    [&[0u8][..], message].concat()
+}
+
+/// Writes one record with `fds` attached, as a peer may, bypassing the codec.
+fn send_raw(sock: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let iov = [std::io::IoSlice::new(bytes)];
+    let mut space = vec![std::mem::MaybeUninit::<u8>::uninit(); SendAncillaryMessage::ScmRights(fds).size()];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    }
+    rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::NOSIGNAL).unwrap();
+}
+
+/// Reads one record as a peer may, waiting for it.
+fn recv_raw(sock: BorrowedFd<'_>) -> (Vec<u8>, Vec<OwnedFd>) {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut p = [rustix::event::PollFd::new(&sock, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut p, None).unwrap();
+    let mut buf = vec![0u8; 1 << 17];
+    let mut space = vec![std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(253))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let r = rustix::net::recvmsg(sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC).unwrap();
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    buf.truncate(r.bytes);
+    (buf, fds)
+}
+
+fn owned(fds: &[SharedFd]) -> Vec<OwnedFd> {
+    fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect()
+}
+
+/// Replay: a receiver decodes one message three times and drops two of the results. The
+/// creator then hands out every other slot of the arena, twice over, and writes 7.0 into
+/// each: the slot the receiver still holds is never among them.
+#[test]
+fn a_replayed_message_cannot_free_a_slot_its_receiver_holds() {
+    let (ours, theirs) = pipe::<Raw>().unwrap();
+    let (go, wait) = pipe::<u32>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (c, wait): (Connection<Raw>, Connection<u32>)| {
+            let (bytes, fds) = c.recv().unwrap();
+            let kept: Tensor = raw::decode(&bytes, owned(&fds)).unwrap();
+            for _ in 0..2 {
+                let again: Tensor = raw::decode(&bytes, owned(&fds)).unwrap();
+                assert!(again.storage().ptr_eq(kept.storage()), "one slot, one storage here");
+                drop(again);
+            }
+            drop((bytes, fds));
+            wait.send(&1).unwrap();
+            assert_eq!(wait.recv().unwrap(), 2);
+            assert!(kept.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0), "the held slot was reused");
+            wait.send(&3).unwrap();
+        },
+        (theirs, wait),
+        1,
+    )
+    .unwrap();
+    let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+    t.fill(1.0f32).unwrap();
+    let (bytes, fds) = raw::encode(&t).unwrap();
+    ours.send(&(bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+    assert_eq!(go.recv().unwrap(), 1);
+    drop(t);
+    // 4 KiB slots, 2048 to an arena: every slot comes around twice.
+    let others: Vec<Tensor> = (0..4096)
+        .map(|_| {
+            let mut x = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            x.fill(7.0f32).unwrap();
+            x
+        })
+        .collect();
+    go.send(&2).unwrap();
+    assert_eq!(go.recv().unwrap(), 3);
+    assert_eq!(ctx.join(None), Ok(true));
+    drop(others);
+}
+
+fn hold_then_die(_rank: usize, (q, ready): (Queue<Tensor>, Queue<()>)) {
+    let held: Vec<Tensor> = (0..200).map(|_| q.get().unwrap()).collect();
+    ready.put(()).unwrap();
+    loop {
+        std::thread::park();
+        let _ = &held;
+    }
+}
+
+/// A holder SIGKILLed while it holds 200 slots gives them all back: once the creator drops
+/// its own handles, every arena is free again, and with file_system no file is left.
+fn sigkilled_holder(strategy: SharingStrategy) {
+    tensorshare::set_sharing_strategy(strategy).unwrap();
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    let ready: Queue<()> = Queue::new().unwrap();
+    let mut ctx = spawn(hold_then_die, (q.clone(), ready.clone()), 1).unwrap();
+    for i in 0..200 {
+        let mut t = Tensor::empty_shared(&[16 << 10], DType::F32).unwrap();
+        t.fill(i as f32).unwrap();
+        q.put(t).unwrap();
+    }
+    ready.get().unwrap();
+    let pid = rustix::process::Pid::from_raw(ctx.pids()[0]).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    assert_eq!(ctx.join(None).unwrap_err().signal_name(), Some("SIGKILL"));
+    // 64 KiB slots, 128 to an arena: two arenas, both free now.
+    assert!(tensorshare::trim_arenas() >= 2, "the dead holder's slots are still held");
+}
+
+#[test]
+fn a_sigkilled_holder_gives_its_slots_back() {
+    checked!(sigkilled_holder, SharingStrategy::FileDescriptor, SharingStrategy);
+    checked!(sigkilled_holder, SharingStrategy::FileSystem, SharingStrategy);
+}
+
+/// Messages destroyed unread (a queue dropped with 200 of them in it) give their slots back.
+fn unread_messages(strategy: SharingStrategy) {
+    tensorshare::set_sharing_strategy(strategy).unwrap();
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    for i in 0..200 {
+        let mut t = Tensor::empty_shared(&[16 << 10], DType::F32).unwrap();
+        t.fill(i as f32).unwrap();
+        q.put(t).unwrap();
+    }
+    drop(q);
+    assert!(tensorshare::trim_arenas() >= 2, "slots of messages nobody will read are still held");
+}
+
+#[test]
+fn messages_destroyed_unread_give_their_slots_back() {
+    checked!(unread_messages, SharingStrategy::FileDescriptor, SharingStrategy);
+    checked!(unread_messages, SharingStrategy::FileSystem, SharingStrategy);
+}
+
+/// A receiver that reads the raw record gets the arena's descriptor, and can neither shrink
+/// nor grow the file, nor seal it further: the sender reads and writes its tensor after
+/// that without a SIGBUS.
+#[test]
+fn a_receiver_cannot_truncate_what_it_was_sent() {
+    let (ours, theirs) = pipe::<Tensor>().unwrap();
+    let (done, wait) = pipe::<Vec<String>>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (c, done): (Connection<Tensor>, Connection<Vec<String>>)| {
+            let (_bytes, fds) = recv_raw(c.as_fd());
+            let mut refused = Vec::new();
+            for fd in &fds {
+                if rustix::fs::ftruncate(fd, 0).is_err() {
+                    refused.push("shrink".to_string());
+                }
+                if rustix::fs::ftruncate(fd, 1 << 30).is_err() {
+                    refused.push("grow".to_string());
+                }
+                if rustix::fs::fcntl_add_seals(fd, rustix::fs::SealFlags::FUTURE_WRITE).is_err() {
+                    refused.push("seal".to_string());
+                }
+            }
+            done.send(&refused).unwrap();
+        },
+        (theirs, wait),
+        1,
+    )
+    .unwrap();
+    let mut t = Tensor::empty_shared(&[1 << 20], DType::F32).unwrap();
+    t.fill(3.0f32).unwrap();
+    ours.send(&t).unwrap();
+    let refused = done.recv().unwrap();
+    assert_eq!(refused, ["shrink", "grow", "seal"]);
+    assert_eq!(ctx.join(None), Ok(true));
+    t.fill(4.0f32).unwrap();
+    assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == 4.0));
+}
+
+/// What the victim process makes of what a hostile peer sends: each item is one raw record
+/// (bytes, descriptors), answered with the error's text or the value's sum.
+fn victim(_rank: usize, (c, out): (Connection<Tensor>, Queue<Result<f32, String>>)) {
+    loop {
+        match c.recv() {
+            Ok(t) => out.put(Ok(t.to_vec::<f32>().unwrap().iter().sum())).unwrap(),
+            Err(Error::Disconnected) => return,
+            Err(e) => out.put(Err(e.to_string())).unwrap(),
+        }
+    }
+}
+
+/// Runs a victim, lets `attack` write records to its connection, and returns what the
+/// victim made of each of them. The victim must survive every one.
+fn against_victim(attack: impl FnOnce(BorrowedFd<'_>) -> usize) -> Vec<Result<f32, String>> {
+    let (ours, theirs) = pipe::<Tensor>().unwrap();
+    let out: Queue<Result<f32, String>> = Queue::new().unwrap();
+    let mut ctx = spawn(victim, (theirs, out.clone()), 1).unwrap();
+    let n = attack(ours.as_fd());
+    let got = (0..n).map(|_| out.get().unwrap()).collect();
+    drop(ours);
+    assert_eq!(ctx.join(None), Ok(true), "the victim survived");
+    got
+}
+
+/// An honest message (a tensor of 1024 ones) after an attack: the victim still works.
+fn honest(sock: BorrowedFd<'_>) {
+    let t = Tensor::full(&[1024], 1.0f32);
+    let (bytes, fds) = raw::encode(&t).unwrap();
+    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+    send_raw(sock, &record(&bytes), &borrowed);
+}
+
+/// The bytes of a real arena holding a tensor, copied into `into`.
+fn copy_arena(into: &OwnedFd) -> Vec<u8> {
+    let t = Tensor::full(&[1024], 666.0f32);
+    let (bytes, fds) = raw::encode(&t).unwrap();
+    let st = rustix::fs::fstat(&fds[0]).unwrap();
+    let mut data = vec![0u8; st.st_size as usize];
+    let mut off = 0;
+    while off < data.len() {
+        off += rustix::io::pread(&fds[0], &mut data[off..], off as u64).unwrap();
+    }
+    rustix::io::pwrite(into, &data, 0).unwrap();
+    bytes
+}
+
+#[test]
+fn an_unsealed_memfd_or_a_disk_file_is_not_an_arena() {
+    let got = against_victim(|sock| {
+        // A memfd with a perfect arena in it, but unsealed: its sender could cut it later.
+        let unsealed = rustix::fs::memfd_create("fake", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let bytes = copy_arena(&unsealed);
+        send_raw(sock, &record(&bytes), &[unsealed.as_fd()]);
+        // A file on disk with the same bytes.
+        let dir = std::env::temp_dir().join(format!("tensorshare-hostile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("arena");
+        let file: OwnedFd = std::fs::File::create_new(&path).unwrap().into();
+        let bytes = copy_arena(&file);
+        std::fs::remove_dir_all(&dir).unwrap();
+        send_raw(sock, &record(&bytes), &[file.as_fd()]);
+        honest(sock);
+        3
+    });
+    assert!(matches!(&got[0], Err(e) if e.contains("not a memfd") || e.contains("not sealed")), "{got:?}");
+    assert!(matches!(&got[1], Err(e) if e.contains("not a memfd")), "{got:?}");
+    assert_eq!(got[2], Ok(1024.0));
+}
+
+#[test]
+fn oversized_spill_claims_are_refused_before_anything_is_read() {
+    let got = against_victim(|sock| {
+        // 40 bytes claiming a payload of 1 TiB, in a sparse memfd sealed at that size.
+        let tib = 1u64 << 40;
+        let fd = rustix::fs::memfd_create(
+            "huge",
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+        )
+        .unwrap();
+        rustix::fs::ftruncate(&fd, tib).unwrap();
+        let seals =
+            rustix::fs::SealFlags::WRITE | rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW;
+        rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+        let head = [&[1u8][..], &tib.to_le_bytes()].concat();
+        send_raw(sock, &head, &[fd.as_fd()]);
+        // A small spilled message in an unsealed memfd: it could change while being read.
+        let t = Tensor::full(&[4], 1.0f32);
+        let (bytes, fds) = raw::encode(&t).unwrap();
+        let spill = rustix::fs::memfd_create("spill", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::io::pwrite(&spill, &bytes, 0).unwrap();
+        let head = [&[1u8][..], &(bytes.len() as u64).to_le_bytes()].concat();
+        send_raw(sock, &head, &[fds[0].as_fd(), spill.as_fd()]);
+        honest(sock);
+        3
+    });
+    assert!(matches!(&got[0], Err(e) if e.contains("over this process's limit")), "{got:?}");
+    assert!(matches!(&got[1], Err(e) if e.contains("not sealed")), "{got:?}");
+    assert_eq!(got[2], Ok(1024.0));
+}
+
+#[test]
+fn a_live_socket_passed_as_a_side_table_is_refused() {
+    let got = against_victim(|sock| {
+        // The "side table" is a socket whose writer is still open, with a record in it: read
+        // as a table, it would swallow that record.
+        let (w, r) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        send_raw(w.as_fd(), b"x", &[]);
+        let head = [&[2u8][..], &1u32.to_le_bytes(), &[0, 0, 0, 0]].concat();
+        send_raw(sock, &head, &[r.as_fd()]);
+        honest(sock);
+        drop(w);
+        2
+    });
+    assert!(matches!(&got[0], Err(e) if e.contains("still open for writing")), "{got:?}");
+    assert_eq!(got[1], Ok(1024.0));
+}
+
+#[test]
+fn an_empty_record_is_not_a_hang_up() {
+    let got = against_victim(|sock| {
+        send_raw(sock, &[], &[]);
+        honest(sock);
+        2
+    });
+    assert!(matches!(&got[0], Err(e) if e.contains("empty record")), "{got:?}");
+    assert_eq!(got[1], Ok(1024.0));
+}
+
+/// A peer that never had the victim's arena names it in vain: the receiver knows arenas only
+/// by the descriptors that come with a message, so a message with the peer's own arena
+/// reaches the peer's memory and nothing else.
+#[test]
+fn an_arena_is_reached_only_through_its_descriptor() {
+    let (ours, theirs) = pipe::<Raw>().unwrap();
+    let back: Queue<bool> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (c, back): (Connection<Raw>, Queue<bool>)| {
+            // The victim holds an arena with ones in it.
+            let mine = Tensor::full(&[1024], 1.0f32);
+            let mine = {
+                let q: Queue<Tensor> = Queue::new().unwrap();
+                q.put(mine).unwrap();
+                q.get().unwrap()
+            };
+            // The peer's message names its own arena with the same slot and length.
+            let (bytes, fds) = c.recv().unwrap();
+            let theirs: Tensor = raw::decode(&bytes, owned(&fds)).unwrap();
+            let separate = !theirs.storage().ptr_eq(mine.storage())
+                && theirs.to_vec::<f32>().unwrap().iter().all(|v| *v == 666.0)
+                && mine.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0);
+            back.put(separate).unwrap();
+        },
+        (theirs, back.clone()),
+        1,
+    )
+    .unwrap();
+    let t = Tensor::full(&[1024], 666.0f32);
+    let (bytes, fds) = raw::encode(&t).unwrap();
+    ours.send(&(bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+    assert!(back.get().unwrap(), "the peer's message reached the victim's memory");
+    assert_eq!(ctx.join(None), Ok(true));
+}
