@@ -51,6 +51,12 @@ const MAX_SLOTS: usize = 8192;
 const LARGE_RETAIN: usize = 1 << 30;
 /// Messages that share one send description before it is retired.
 pub(crate) const SEND_BATCH: u32 = 64;
+/// A holder gives back slots it no longer uses in runs, once this many are waiting (or
+/// `PENDING_BYTES` of them), at its next receive from the arena, or when it drops the arena.
+const PENDING_SLOTS: usize = 16;
+const PENDING_BYTES: usize = 1 << 20;
+/// Slots the creator checks for other holders in one `F_OFD_GETLK`.
+const CHECK_RUN: u32 = 64;
 
 /// Counts forks, so that an arena object inherited by a forked child knows it is not its
 /// own: it shares its parent's descriptions (and so their locks) and must not touch them.
@@ -91,6 +97,8 @@ struct State {
     /// processes may therefore hold.
     exposed: Vec<bool>,
     send: Option<SendHold>,
+    /// A holder's slots with no handle left here, still locked until the next flush.
+    pending: Vec<u32>,
 }
 
 /// The description messages from this process carry, with the slots locked on it.
@@ -126,6 +134,7 @@ impl Arena {
                 local: vec![0; n],
                 exposed: if creator { vec![false; n] } else { Vec::new() },
                 send: None,
+                pending: Vec::new(),
             }),
         }
     }
@@ -223,51 +232,91 @@ impl Arena {
             return false;
         }
         if st.exposed[i] {
-            match locked_elsewhere(self.seg.fd(), slot) {
-                Ok(false) => {}
-                Ok(true) => {
-                    // Perhaps only by our own send description: retire it (messages in flight
-                    // keep it alive as long as they need) and ask again.
-                    if !st.send.as_ref().is_some_and(|s| s.locked[i]) {
-                        return false;
+            // One question for a run of slots: the allocator takes them in order.
+            let run = CHECK_RUN.min(self.nslots - slot);
+            if matches!(range_free(self.seg.fd(), slot, run), Ok(true)) {
+                st.exposed[i..i + run as usize].fill(false);
+            } else {
+                match locked_elsewhere(self.seg.fd(), slot) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        // Perhaps only by our own send description: retire it (messages in
+                        // flight keep it alive as long as they need) and ask again.
+                        if !st.send.as_ref().is_some_and(|s| s.locked[i]) {
+                            return false;
+                        }
+                        st.send = None;
+                        if !matches!(locked_elsewhere(self.seg.fd(), slot), Ok(false)) {
+                            return false;
+                        }
                     }
-                    st.send = None;
-                    if !matches!(locked_elsewhere(self.seg.fd(), slot), Ok(false)) {
-                        return false;
-                    }
+                    Err(_) => return false,
                 }
-                Err(_) => return false,
+                st.exposed[i] = false;
             }
-            st.exposed[i] = false;
         }
         st.local[i] = 1;
         true
     }
 
-    /// One more handle of `slot` in this process. A holder's first handle takes the
-    /// process's lock on the slot.
-    fn hold(&self, slot: u32) -> Result<()> {
+    /// One more handle of each of `slots` in this process (a slot may appear more than
+    /// once). A holder's first handle of a slot takes the process's lock on it; locks are
+    /// taken in runs of adjacent slots, and slots waiting to be given back are kept instead.
+    pub(crate) fn hold(&self, slots: &[u32]) -> Result<()> {
         let mut st = self.state();
-        let i = slot as usize;
-        if st.local[i] == 0 && !self.creator && self.is_own() {
-            lock_slot(self.seg.fd(), slot, libc::F_RDLCK)
-                .map_err(|e| Error::io("locking a received slot (F_OFD_SETLK)", e))?;
+        if let Some(&bad) = slots.iter().find(|&&s| s >= self.nslots) {
+            return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
         }
-        st.local[i] =
-            st.local[i].checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
+        if !self.creator && self.is_own() {
+            let mut need: Vec<u32> = Vec::new();
+            for &slot in slots {
+                if st.local[slot as usize] == 0 {
+                    if let Some(p) = st.pending.iter().position(|&q| q == slot) {
+                        st.pending.swap_remove(p);
+                    } else {
+                        need.push(slot);
+                    }
+                }
+            }
+            for (start, len) in runs(&mut need) {
+                lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
+                    .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
+            }
+            // This process is receiving from the arena: a good time to give back the rest.
+            self.flush(&mut st);
+        }
+        for &slot in slots {
+            let c = &mut st.local[slot as usize];
+            *c = c.checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
+        }
         Ok(())
     }
 
-    /// One handle of `slot` less; the last one gives the process's lock back.
+    /// One handle of `slot` less; the last one gives the process's lock back (soon: see
+    /// `PENDING_SLOTS`).
     fn release(&self, slot: u32) {
         let mut st = self.state();
         let i = slot as usize;
         st.local[i] = st.local[i].saturating_sub(1);
         if st.local[i] == 0 && !self.creator && self.is_own() {
-            // Unlocking cannot fail for a range we locked; if it did, the slot would stay
-            // held until this process drops the arena or exits: never less.
-            let _ = lock_slot(self.seg.fd(), slot, libc::F_UNLCK);
+            st.pending.push(slot);
+            if self.nslots == 1
+                || st.pending.len() >= PENDING_SLOTS
+                || st.pending.len() * self.slot_size >= PENDING_BYTES
+            {
+                self.flush(&mut st);
+            }
         }
+    }
+
+    /// Gives back the locks of the slots waiting for it, in runs. Unlocking cannot fail for
+    /// ranges we locked; if it did, the slots would stay held until this process drops the
+    /// arena or exits: never less.
+    fn flush(&self, st: &mut State) {
+        for (start, len) in runs(&mut st.pending) {
+            let _ = lock_range(self.seg.fd(), start, len, libc::F_UNLCK);
+        }
+        st.pending.clear();
     }
 
     /// The description a message naming `slots` of this arena carries, with each slot
@@ -293,15 +342,15 @@ impl Arena {
         }
         let st = &mut *st;
         let send = st.send.as_mut().expect("set above");
-        for &slot in slots {
-            let i = slot as usize;
-            if !send.locked[i] {
-                lock_slot(send.fd.as_fd(), slot, libc::F_RDLCK)
-                    .map_err(|e| Error::io("locking a slot for a message (F_OFD_SETLK)", e))?;
-                send.locked[i] = true;
-            }
-            if self.creator {
-                st.exposed[i] = true;
+        let mut need: Vec<u32> = slots.iter().copied().filter(|&s| !send.locked[s as usize]).collect();
+        for (start, len) in runs(&mut need) {
+            lock_range(send.fd.as_fd(), start, len, libc::F_RDLCK)
+                .map_err(|e| Error::io("locking slots for a message (F_OFD_SETLK)", e))?;
+            send.locked[start as usize..(start + len) as usize].fill(true);
+        }
+        if self.creator {
+            for &slot in slots {
+                st.exposed[slot as usize] = true;
             }
         }
         send.messages += 1;
@@ -329,13 +378,10 @@ impl std::fmt::Debug for Slot {
 }
 
 impl Slot {
-    /// A handle of `slot` of a received arena: this process now holds it.
-    pub(crate) fn hold(arena: Arc<Arena>, slot: u32) -> Result<Slot> {
-        if slot >= arena.nslots {
-            return Err(Error::invalid(format!("slot {slot} is outside an arena of {} slots", arena.nslots)));
-        }
-        arena.hold(slot)?;
-        Ok(Slot { arena, slot })
+    /// Handles of `slots` of a received arena, in order: this process now holds them.
+    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32]) -> Result<Vec<Slot>> {
+        arena.hold(slots)?;
+        Ok(slots.iter().map(|&slot| Slot { arena: arena.clone(), slot }).collect())
     }
 
     pub(crate) fn arena(&self) -> &Arc<Arena> {
@@ -373,11 +419,26 @@ fn flock(l_type: i32, start: u32, len: u32) -> libc::flock {
     fl
 }
 
-/// Takes or gives back (`F_UNLCK`) a read lock on byte `slot` of description `fd`.
+/// Sorts and dedups `slots` and returns them as runs of adjacent slots: (first, count).
+fn runs(slots: &mut Vec<u32>) -> Vec<(u32, u32)> {
+    slots.sort_unstable();
+    slots.dedup();
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for &s in slots.iter() {
+        match out.last_mut() {
+            Some((start, len)) if *start + *len == s => *len += 1,
+            _ => out.push((s, 1)),
+        }
+    }
+    out
+}
+
+/// Takes or gives back (`F_UNLCK`) a read lock on bytes `start..start + len` (slots) of
+/// description `fd`.
 ///
 /// rustix offers only whole-file locks; byte-range OFD locks need `fcntl` from libc.
-fn lock_slot(fd: BorrowedFd<'_>, slot: u32, l_type: i32) -> std::io::Result<()> {
-    let fl = flock(l_type, slot, 1);
+fn lock_range(fd: BorrowedFd<'_>, start: u32, len: u32, l_type: i32) -> std::io::Result<()> {
+    let fl = flock(l_type, start, len);
     // SAFETY: F_OFD_SETLK reads one valid, initialised struct flock through the pointer,
     // which lives across the call; `fd` is a valid descriptor.
     let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
@@ -605,7 +666,7 @@ mod tests {
         // its own and lets the message go.
         let message = arena.send_hold(&[0]).unwrap();
         let other = arena.seg.reopen().unwrap();
-        lock_slot(other.as_fd(), 0, libc::F_RDLCK).unwrap();
+        lock_range(other.as_fd(), 0, 1, libc::F_RDLCK).unwrap();
         drop(message);
         drop(a);
         let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
@@ -629,6 +690,13 @@ mod tests {
         drop(message); // consumed: only the sender's retired description was left
         let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(Arc::ptr_eq(&c.arena, &arena), "the slot comes back once the message is gone");
+    }
+
+    #[test]
+    fn runs_merge_adjacent_slots() {
+        let mut v = vec![7, 3, 4, 5, 9, 3, 10];
+        assert_eq!(runs(&mut v), vec![(3, 3), (7, 1), (9, 2)]);
+        assert!(runs(&mut Vec::new()).is_empty());
     }
 
     #[test]

@@ -376,11 +376,15 @@ fn a_sigkilled_producer_makes_get_disconnected() {
 fn a_malformed_message_from_another_process_is_invalid_not_a_crash() {
     let t = Tensor::full(&[8], 1u8);
     let (mut bytes, fds) = raw::encode(&t).unwrap();
-    // The last payload bytes are the tensor's offset, flags and device: make the offset huge.
+    // The last payload bytes are the tensor's offset (0), flags and device: make the offset
+    // 127 elements, past the end of its 8-byte storage.
     let n = bytes.len();
-    bytes[n - 4] = 0xff;
+    assert_eq!(bytes[n - 4], 0);
+    bytes[n - 4] = 0x7f;
     let err = raw::decode::<Tensor>(&bytes, fds).unwrap_err();
     assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    // The reason survives the serde layer.
+    assert!(err.to_string().contains("tensor handle"), "{err}");
 }
 
 /// Endpoints travel inside messages: a worker receives a queue and a pipe end through a

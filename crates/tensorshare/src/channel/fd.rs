@@ -4,8 +4,6 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use serde::de::Error as _;
-use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::wire::{self, FdSource};
@@ -36,15 +34,15 @@ impl AsFd for SharedFd {
 impl Serialize for SharedFd {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         if !wire::encoding() {
-            return Err(S::Error::custom("a descriptor can only travel inside a tensorshare message"));
+            return Err(wire::ser_error("a descriptor can only travel inside a tensorshare message"));
         }
-        wire::encode_fd(FdSource::Fd(self.0.clone())).map_err(S::Error::custom)?.serialize(s)
+        wire::encode_fd(FdSource::Fd(self.0.clone())).map_err(wire::ser_error)?.serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for SharedFd {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<SharedFd, D::Error> {
         let i = u32::deserialize(d)?;
-        Ok(SharedFd::new(wire::decode_fd(i).map_err(D::Error::custom)?))
+        Ok(SharedFd::new(wire::decode_fd(i).map_err(wire::de_error)?))
     }
 }

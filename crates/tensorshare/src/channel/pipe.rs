@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustix::event::PollFlags;
-use serde::de::{DeserializeOwned, Error as _};
-use serde::ser::Error as _;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::socket::{self, Deadline};
@@ -91,20 +90,19 @@ impl<T> std::fmt::Debug for Connection<T> {
 impl<T> Serialize for Connection<T> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         if !wire::encoding() {
-            return Err(S::Error::custom("a connection can only travel inside a tensorshare message"));
+            return Err(wire::ser_error("a connection can only travel inside a tensorshare message"));
         }
-        wire::encode_fd(FdSource::Fd(self.fd.clone())).map_err(S::Error::custom)?.serialize(s)
+        wire::encode_fd(FdSource::Fd(self.fd.clone())).map_err(wire::ser_error)?.serialize(s)
     }
 }
 
 impl<'de, T> Deserialize<'de> for Connection<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let i = u32::deserialize(d)?;
-        let fd = wire::decode_fd(i).map_err(D::Error::custom)?;
-        let st =
-            rustix::fs::fstat(&fd).map_err(|e| D::Error::custom(Error::io("fstat of a connection", e)))?;
+        let fd = wire::decode_fd(i).map_err(wire::de_error)?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| wire::de_error(Error::io("fstat of a connection", e)))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
-            return Err(D::Error::custom("a connection endpoint that is not a socket"));
+            return Err(wire::de_error("a connection endpoint that is not a socket"));
         }
         Ok(Connection { fd: Arc::new(fd), _t: PhantomData })
     }

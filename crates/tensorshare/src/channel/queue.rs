@@ -6,8 +6,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use serde::de::{DeserializeOwned, Error as _};
-use serde::ser::Error as _;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::control::Control;
@@ -136,18 +135,18 @@ struct CoreRepr {
 
 fn serialize_core<S: Serializer>(core: &Core, s: S) -> std::result::Result<S::Ok, S::Error> {
     if !wire::encoding() {
-        return Err(S::Error::custom("a queue can only travel inside a tensorshare message"));
+        return Err(wire::ser_error("a queue can only travel inside a tensorshare message"));
     }
-    let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(S::Error::custom);
-    let hold = core.control.in_flight_hold().map_err(S::Error::custom)?;
-    let ctl = wire::encode_fd(FdSource::Owned(hold)).map_err(S::Error::custom)?;
+    let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(wire::ser_error);
+    let hold = core.control.in_flight_hold().map_err(wire::ser_error)?;
+    let ctl = wire::encode_fd(FdSource::Owned(hold)).map_err(wire::ser_error)?;
     CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl }.serialize(s)
 }
 
 fn deserialize_core<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Arc<Core>, D::Error> {
     let r = CoreRepr::deserialize(d)?;
-    let fd = |i| wire::decode_fd(i).map_err(D::Error::custom);
-    Core::adopt(fd(r.tx)?, fd(r.rx)?, fd(r.ctl)?).map_err(D::Error::custom)
+    let fd = |i| wire::decode_fd(i).map_err(wire::de_error);
+    Core::adopt(fd(r.tx)?, fd(r.rx)?, fd(r.ctl)?).map_err(wire::de_error)
 }
 
 macro_rules! queue_type {

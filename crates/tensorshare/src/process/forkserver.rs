@@ -58,9 +58,8 @@ struct WorkerFd<'a>(&'a OwnedFd);
 
 impl serde::Serialize for WorkerFd<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::Error as _;
-        let dup = self.0.try_clone().map_err(S::Error::custom)?;
-        wire::encode_fd(wire::FdSource::Owned(dup)).map_err(S::Error::custom)?;
+        let dup = self.0.try_clone().map_err(wire::ser_error)?;
+        wire::encode_fd(wire::FdSource::Owned(dup)).map_err(wire::ser_error)?;
         s.serialize_unit()
     }
 }

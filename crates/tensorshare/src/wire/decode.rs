@@ -77,8 +77,8 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>) -> 
         }
     }
     let _reset = Reset;
-    postcard::from_bytes::<T>(&message[body..])
-        .map_err(|e| Error::invalid(format!("the message's value: {e}")))
+    super::forget_reason();
+    postcard::from_bytes::<T>(&message[body..]).map_err(|e| Error::invalid(super::reason(e)))
 }
 
 /// The arena a received descriptor refers to: this process's own mapping of it if it has
@@ -103,60 +103,99 @@ fn resolve_arena(d: &SegmentDesc, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc
 }
 
 /// Resolves every storage of the table: the storage this process already has for a slot,
-/// or a new handle of it, which takes this process's hold.
+/// or a new handle of it. New handles take this process's holds, arena by arena, in one
+/// step each (see `Arena::hold`).
 fn resolve_storages(
     descs: &[StorageDesc],
     arenas: &[Arc<Arena>],
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
-    let mut out = Vec::with_capacity(descs.len());
+    let mut out: Vec<Option<Storage>> = Vec::with_capacity(descs.len());
+    // Slots this process does not hold yet, per segment: (slot, length, entries naming it).
+    let mut new: Vec<Vec<(u32, usize, Vec<usize>)>> = vec![Vec::new(); arenas.len()];
     // Send events to wait on, once each (a message has one per device).
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut events = Vec::new();
-    for d in descs {
-        let s = match d {
-            StorageDesc::Empty(s) => Storage::from_shared(0, Shared::Empty(*s)),
-            StorageDesc::Slot { segment, slot, len } => {
-                let arena = arenas.get(*segment as usize).ok_or_else(|| {
-                    Error::invalid(format!("storage names segment {segment}, which is not in the message"))
-                })?;
-                resolve_slot(arena, *slot, *len)?
+    {
+        let cache = cache::cache();
+        for (i, d) in descs.iter().enumerate() {
+            let s = match d {
+                StorageDesc::Empty(s) => Some(Storage::from_shared(0, Shared::Empty(*s))),
+                StorageDesc::Slot { segment, slot, len } => {
+                    let arena = arenas.get(*segment as usize).ok_or_else(|| {
+                        Error::invalid(format!(
+                            "storage names segment {segment}, which is not in the message"
+                        ))
+                    })?;
+                    let len = check_slot(arena, *slot, *len)?;
+                    match cache.storage(arena.segment().file_id(), *slot) {
+                        Some(inner) => Some(existing(Storage::from_inner(inner), len)?),
+                        None => {
+                            let pending = &mut new[*segment as usize];
+                            match pending.iter_mut().find(|(s, _, _)| s == slot) {
+                                Some((_, l, at)) if *l == len => at.push(i),
+                                Some(_) => return Err(Error::invalid("one slot named with two lengths")),
+                                None => pending.push((*slot, len, vec![i])),
+                            }
+                            None
+                        }
+                    }
+                }
+                StorageDesc::Device(_) => None,
+            };
+            out.push(s);
+        }
+    }
+    for (i, d) in descs.iter().enumerate() {
+        if let StorageDesc::Device(d) = d {
+            out[i] = Some(resolve_device(d, fds, &mut events)?);
+        }
+    }
+    for (arena, pending) in arenas.iter().zip(new) {
+        if pending.is_empty() {
+            continue;
+        }
+        let slots: Vec<u32> = pending.iter().map(|(s, _, _)| *s).collect();
+        let handles = Slot::hold(arena, &slots)?;
+        let mut cache = cache::cache();
+        for (handle, (slot, len, at)) in handles.into_iter().zip(pending) {
+            let storage = Storage::from_shared(len, Shared::Slot(handle));
+            cache.insert_storage(arena.segment().file_id(), slot, &storage.inner);
+            for i in at {
+                out[i] = Some(storage.clone());
             }
-            StorageDesc::Device(d) => resolve_device(d, fds, &mut events)?,
-        };
-        out.push(s);
+        }
     }
     #[cfg(feature = "cuda")]
     for (device, handle) in events {
         crate::cuda::wait_received(device, &handle)?;
     }
-    Ok(out)
+    out.into_iter()
+        .map(|s| s.ok_or_else(|| Error::invalid("a storage of the message was not resolved")))
+        .collect()
 }
 
-fn resolve_slot(arena: &Arc<Arena>, slot: u32, len: u64) -> Result<Storage> {
+/// The length of a storage in `slot`, checked against the arena.
+fn check_slot(arena: &Arena, slot: u32, len: u64) -> Result<usize> {
     if slot >= arena.nslots() {
         return Err(Error::invalid(format!("slot {slot} is outside an arena of {} slots", arena.nslots())));
     }
-    let len = usize::try_from(len).ok().filter(|&l| l <= arena.slot_size() && l > 0).ok_or_else(|| {
+    usize::try_from(len).ok().filter(|&l| l <= arena.slot_size() && l > 0).ok_or_else(|| {
         Error::invalid(format!(
             "a storage of {len} bytes does not fit its slot of {} bytes",
             arena.slot_size()
         ))
-    })?;
-    let mut cache = cache::cache();
-    let id = arena.segment().file_id();
-    if let Some(inner) = cache.storage(id, slot) {
-        let existing = Storage::from_inner(inner);
-        if existing.len() != len {
-            return Err(Error::invalid(format!(
-                "a storage of {len} bytes names a slot that holds one of {} here",
-                existing.len()
-            )));
-        }
-        return Ok(existing);
+    })
+}
+
+/// A storage this process has already, named again: it must have the length named.
+fn existing(storage: Storage, len: usize) -> Result<Storage> {
+    if storage.len() != len {
+        return Err(Error::invalid(format!(
+            "a storage of {len} bytes names a slot that holds one of {} here",
+            storage.len()
+        )));
     }
-    let storage = Storage::from_shared(len, Shared::Slot(Slot::hold(arena.clone(), slot)?));
-    cache.insert_storage(id, slot, &storage.inner);
     Ok(storage)
 }
 

@@ -44,7 +44,8 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     }
     ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::default()));
     let reset = Reset;
-    let payload = postcard::to_allocvec(value).map_err(|e| Error::Serialize(e.to_string()));
+    super::forget_reason();
+    let payload = postcard::to_allocvec(value).map_err(|e| Error::Serialize(super::reason(e)));
     let ctx = ENCODING.with(|c| c.borrow_mut().take());
     drop(reset);
     let mut ctx = ctx.ok_or_else(|| Error::Serialize("the message's encoding context vanished".into()))?;

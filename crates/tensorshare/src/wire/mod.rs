@@ -51,6 +51,36 @@ impl FdSource {
 thread_local! {
     static ENCODING: RefCell<Option<encode::EncodeCtx>> = const { RefCell::new(None) };
     static DECODING: RefCell<Option<decode::DecodeCtx>> = const { RefCell::new(None) };
+    /// Why the value being encoded or decoded was refused: postcard keeps only that a custom
+    /// error happened, so the first reason is kept here for the error the caller sees.
+    static REASON: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// A serde error that keeps its reason (see `REASON`).
+pub(crate) fn de_error<E: serde::de::Error>(msg: impl std::fmt::Display) -> E {
+    note_reason(&msg);
+    E::custom(msg)
+}
+
+/// A serde error that keeps its reason (see `REASON`).
+pub(crate) fn ser_error<E: serde::ser::Error>(msg: impl std::fmt::Display) -> E {
+    note_reason(&msg);
+    E::custom(msg)
+}
+
+fn note_reason(msg: &dyn std::fmt::Display) {
+    REASON.with(|r| {
+        r.borrow_mut().get_or_insert_with(|| msg.to_string());
+    });
+}
+
+/// The recorded reason, if any, else postcard's own text; and forgets it.
+fn reason(e: postcard::Error) -> String {
+    REASON.with(|r| r.borrow_mut().take()).unwrap_or_else(|| e.to_string())
+}
+
+fn forget_reason() {
+    REASON.with(|r| r.borrow_mut().take());
 }
 
 /// A value turned into a message, not yet sent: its bytes and the descriptors that must

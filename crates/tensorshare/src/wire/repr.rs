@@ -1,8 +1,6 @@
 //! How tensors, storages, sparse and nested tensors serialize: inside a message as handles
 //! into the message's storage table, anywhere else by value.
 
-use serde::de::Error as _;
-use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::bytes::{ByteBuf, Bytes};
@@ -51,11 +49,11 @@ impl Serialize for Tensor {
         match self.device {
             Device::Meta => TensorOut::NoData { meta: meta(self.strides.clone(), 0) }.serialize(s),
             Device::Cpu | Device::Cuda(_) if super::encoding() => {
-                let storage = super::encode_storage(&self.storage).map_err(S::Error::custom)?;
+                let storage = super::encode_storage(&self.storage).map_err(super::ser_error)?;
                 TensorOut::Handle { storage, meta: meta(self.strides.clone(), self.offset) }.serialize(s)
             }
             Device::Cpu | Device::Cuda(_) => {
-                let data = self.to_bytes().map_err(S::Error::custom)?;
+                let data = self.to_bytes().map_err(super::ser_error)?;
                 TensorOut::Value { data: Bytes(&data), meta: meta(contiguous_strides(&self.shape), 0) }
                     .serialize(s)
             }
@@ -86,7 +84,7 @@ impl<'de> Deserialize<'de> for Tensor {
         let t = match TensorIn::deserialize(d)? {
             TensorIn::Handle { storage, meta } => {
                 if meta.device == Device::Meta {
-                    return Err(D::Error::custom("a storage handle for a tensor on the meta device"));
+                    return Err(super::de_error("a storage handle for a tensor on the meta device"));
                 }
                 super::decode_storage(storage).and_then(|st| build(st, meta))
             }
@@ -94,9 +92,9 @@ impl<'de> Deserialize<'de> for Tensor {
                 let storage = Storage::new(data.0.len());
                 // SAFETY: the fresh private storage has exactly data.len() bytes.
                 unsafe { std::ptr::copy_nonoverlapping(data.0.as_ptr(), storage.as_ptr(), data.0.len()) };
-                let n = crate::tensor::checked_numel(&meta.shape).map_err(D::Error::custom)?;
+                let n = crate::tensor::checked_numel(&meta.shape).map_err(super::de_error)?;
                 if n.checked_mul(meta.dtype.size()) != Some(data.0.len()) {
-                    return Err(D::Error::custom(format!(
+                    return Err(super::de_error(format!(
                         "a {} tensor of shape {:?} with {} bytes of data",
                         meta.dtype,
                         meta.shape,
@@ -119,7 +117,7 @@ impl<'de> Deserialize<'de> for Tensor {
             }
             TensorIn::NoData { meta } => {
                 if meta.device != Device::Meta {
-                    return Err(D::Error::custom("a cpu tensor without data"));
+                    return Err(super::de_error("a cpu tensor without data"));
                 }
                 let mut t = Tensor::meta(&meta.shape, meta.dtype);
                 t.requires_grad = meta.requires_grad && meta.dtype.is_float();
@@ -127,7 +125,7 @@ impl<'de> Deserialize<'de> for Tensor {
                 Ok(t)
             }
         };
-        t.map_err(D::Error::custom)
+        t.map_err(super::de_error)
     }
 }
 
@@ -146,9 +144,9 @@ enum StorageIn {
 impl Serialize for Storage {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         if super::encoding() {
-            StorageOut::Handle(super::encode_storage(self).map_err(S::Error::custom)?).serialize(s)
+            StorageOut::Handle(super::encode_storage(self).map_err(super::ser_error)?).serialize(s)
         } else {
-            StorageOut::Value(Bytes(&self.try_to_bytes().map_err(S::Error::custom)?)).serialize(s)
+            StorageOut::Value(Bytes(&self.try_to_bytes().map_err(super::ser_error)?)).serialize(s)
         }
     }
 }
@@ -156,7 +154,7 @@ impl Serialize for Storage {
 impl<'de> Deserialize<'de> for Storage {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Storage, D::Error> {
         match StorageIn::deserialize(d)? {
-            StorageIn::Handle(i) => super::decode_storage(i).map_err(D::Error::custom),
+            StorageIn::Handle(i) => super::decode_storage(i).map_err(super::de_error),
             StorageIn::Value(b) => {
                 let s = Storage::new(b.0.len());
                 // SAFETY: the fresh private storage has exactly b.len() bytes.
@@ -190,7 +188,7 @@ impl Serialize for SparseTensor {
 impl<'de> Deserialize<'de> for SparseTensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<SparseTensor, D::Error> {
         let r = SparseRepr::deserialize(d)?;
-        SparseTensor::from_parts(r.layout, r.indices, r.values, &r.size).map_err(D::Error::custom)
+        SparseTensor::from_parts(r.layout, r.indices, r.values, &r.size).map_err(super::de_error)
     }
 }
 
@@ -211,6 +209,6 @@ impl Serialize for NestedTensor {
 impl<'de> Deserialize<'de> for NestedTensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<NestedTensor, D::Error> {
         let r = NestedRepr::deserialize(d)?;
-        NestedTensor::from_parts(r.buffer, r.sizes, r.offsets).map_err(D::Error::custom)
+        NestedTensor::from_parts(r.buffer, r.sizes, r.offsets).map_err(super::de_error)
     }
 }
