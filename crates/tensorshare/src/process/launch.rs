@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::context::{Child, ProcessContext};
-use super::job::{entry, Entry, EntryName, Job};
+use super::job::{entry_name, Job};
 use super::worker::{install_panic_hook, worker_main, ExitKind, INHERITED_FD, WORKER_ENV};
 use super::{atfork, forkserver};
 use crate::channel::socket::{self, Deadline};
@@ -88,7 +88,7 @@ where
     J: Job<A>,
     A: Serialize + DeserializeOwned,
 {
-    let name = EntryName::of(entry::<J, A> as Entry);
+    let name = entry_name::<J, A>()?;
     // Workers belong to this process's cleanup group (see `shm::group`), whatever start
     // method makes them: a forked worker shares the group lock's open file.
     crate::shm::group::ensure()?;

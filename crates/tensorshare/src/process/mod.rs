@@ -13,6 +13,7 @@ mod atfork;
 mod context;
 mod error;
 mod forkserver;
+mod image;
 mod job;
 mod launch;
 mod pool;
@@ -20,7 +21,7 @@ mod worker;
 
 pub use context::{ProcessContext, DEFAULT_GRACE};
 pub use error::{signal_name, Failure, ProcessError};
-pub use job::{Captured, Job, JobResult, JobReturn};
+pub use job::{trust_libraries_without_build_id, Captured, Job, JobResult, JobReturn};
 pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 
 pub use pool::{Pool, Tasks};

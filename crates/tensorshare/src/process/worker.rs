@@ -6,7 +6,7 @@ use std::panic::AssertUnwindSafe;
 
 use serde::{Deserialize, Serialize};
 
-use super::job::{EntryName, JobResult};
+use super::job::{Entry, JobName, JobResult};
 use crate::channel::socket::{self, Deadline};
 use crate::wire;
 
@@ -164,8 +164,8 @@ fn run_job(job: &OwnedFd) -> std::result::Result<Report, String> {
     let parent_alive = || true; // the job socket's hang-up tells
     let name = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job: {e}"))?;
-    let name: EntryName = wire::decode(&name.bytes, name.fds).map_err(|e| format!("reading the job: {e}"))?;
-    let entry = name.resolve().ok_or("the worker runs a different executable than its parent")?;
+    let name: JobName = wire::decode(&name.bytes, name.fds).map_err(|e| format!("reading the job: {e}"))?;
+    let entry = name.resolve::<Entry>()?;
     let payload = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job's arguments: {e}"))?;
     Ok(catch(|| entry(payload)))
