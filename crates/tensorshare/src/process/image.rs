@@ -1,14 +1,17 @@
-//! Which code this process runs: the objects the dynamic loader mapped into it (the
-//! executable and its shared libraries), read with `dl_iterate_phdr`.
+//! Which code this process runs: the identity of its executable, and the objects the
+//! dynamic loader mapped into it (the executable and its shared libraries), read with
+//! `dl_iterate_phdr`.
 //!
 //! A parent names a job to its worker by the loaded object that holds the job's code and
 //! an offset in that object (see `job`): the loader maps every object at an address of its
 //! own, randomised per process, so an address means something in another process only
 //! relative to the object it lies in. Before a worker reads anything at such an offset it
-//! checks that the object is the same build as its parent's, by its GNU build-id, sent with
-//! the name.
+//! checks that the object is the same build as its parent's: the executable by its file
+//! (device, inode, size) and GNU build-id, sent in the worker's hello (see `handshake`),
+//! and a shared library by its build-id, sent with the name.
 
 use std::ffi::{c_int, c_void, CStr};
+use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -20,9 +23,80 @@ type Phdr = libc::Elf64_Phdr;
 #[cfg(target_pointer_width = "32")]
 type Phdr = libc::Elf32_Phdr;
 
+/// The identity of a process's executable: the file it was started from and, when the
+/// linker wrote one, its GNU build-id.
+///
+/// Workers are started from `/proc/self/exe`, the very file the parent runs, which
+/// nobody can rewrite while a process runs it (ETXTBSY), so a worker whose file differs
+/// from its parent's was not started by that parent from this program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ExeId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    build_id: Option<Vec<u8>>,
+}
+
+impl ExeId {
+    /// This process's executable (computed once).
+    pub(crate) fn current() -> Result<&'static ExeId, String> {
+        static ID: OnceLock<Result<ExeId, String>> = OnceLock::new();
+        ID.get_or_init(|| {
+            let st =
+                rustix::fs::stat("/proc/self/exe").map_err(|e| format!("cannot stat /proc/self/exe: {e}"))?;
+            let mut build_id = None;
+            each_object(&mut |o| {
+                // The loader reports the executable first.
+                build_id = o.build_id();
+                true
+            });
+            Ok(ExeId { dev: st.st_dev as u64, ino: st.st_ino as u64, size: st.st_size as u64, build_id })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+
+    /// The form sent in a hello: `<dev>:<ino>:<size>:<build-id in hex, or ->`.
+    pub(crate) fn to_text(&self) -> String {
+        let build_id = self.build_id.as_deref().map_or_else(|| "-".to_string(), hex);
+        format!("{}:{}:{}:{build_id}", self.dev, self.ino, self.size)
+    }
+
+    /// Parses [`ExeId::to_text`]'s form.
+    pub(crate) fn parse(s: &str) -> Option<ExeId> {
+        let mut parts = s.split(':');
+        let dev = parts.next()?.parse().ok()?;
+        let ino = parts.next()?.parse().ok()?;
+        let size = parts.next()?.parse().ok()?;
+        let build_id = match parts.next()? {
+            "-" => None,
+            h => Some(unhex(h)?),
+        };
+        parts.next().is_none().then_some(ExeId { dev, ino, size, build_id })
+    }
+}
+
+impl std::fmt::Display for ExeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "file {:#x}:{} of {} bytes, build-id ", self.dev, self.ino, self.size)?;
+        match &self.build_id {
+            Some(b) => f.write_str(&hex(b)),
+            None => f.write_str("none"),
+        }
+    }
+}
+
 /// Lower-case hex of `bytes`.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of lower- or upper-case hex `s`, if it is that.
+pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
 }
 
 /// A loaded object, named so that another process running the same program finds it: the
@@ -247,6 +321,15 @@ mod tests {
         let mut huge = note(b"GNU\0", NT_GNU_BUILD_ID, &[1; 4], 4);
         huge[4..8].copy_from_slice(&u32::MAX.to_ne_bytes());
         assert_eq!(build_id_in(&huge, 4), None);
+    }
+
+    #[test]
+    fn exe_id_round_trips_and_rejects_junk() {
+        let me = ExeId::current().unwrap();
+        assert_eq!(ExeId::parse(&me.to_text()).as_ref(), Some(me));
+        for junk in ["", "1:2:3", "1:2:3:-:5", "a:2:3:-", "1:2:3:abc", "1:2:3:zz"] {
+            assert_eq!(ExeId::parse(junk), None, "{junk:?}");
+        }
     }
 
     #[test]

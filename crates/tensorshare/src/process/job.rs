@@ -12,11 +12,13 @@
 //! offset from the object's load address, and a hash of the type name ([`JobName`]).
 //!
 //! The worker runs a job only after it has checked, in order:
-//! 1. that the named object is loaded here and has the same build-id (a shared library
+//! 1. that it runs the same executable as its parent: its hello carries the parent's
+//!    executable identity (file and build-id, see `handshake`), or it was forked;
+//! 2. that the named object is loaded here and has the same build-id (a shared library
 //!    without one is refused when it is named, unless the program called the `unsafe`
 //!    [`trust_libraries_without_build_id`]);
-//! 2. that a readable segment of that object holds the whole descriptor at the offset;
-//! 3. that the bytes there carry the magic number and the expected kind, and that the
+//! 3. that a readable segment of that object holds the whole descriptor at the offset;
+//! 4. that the bytes there carry the magic number and the expected kind, and that the
 //!    descriptor's type name hashes to the one in the name.
 //!
 //! Only then does it call the entry function the descriptor holds (which the loader
@@ -320,7 +322,8 @@ impl JobName {
         })
     }
 
-    /// The function this name names in this process, after the checks of the module docs.
+    /// The function this name names in this process, after the checks of the module docs
+    /// (the executable's identity is the caller's: the handshake, or a fork).
     pub(crate) fn resolve<F: EntryFn>(&self) -> std::result::Result<F, String> {
         let what = F::WHAT;
         let offset = usize::try_from(self.offset).map_err(|_| format!("{what} named outside memory"))?;
@@ -350,9 +353,9 @@ impl JobName {
             return Err(format!("the name of {what} does not point at one in {}", self.object));
         }
         // SAFETY: the bytes carry the 128-bit magic and the kind of a descriptor, in an
-        // object that is the same build as the parent's (its build-id, or for an executable
-        // without one the file the worker was re-executed from; a library without a build-id
-        // only under the caller's promise of `trust_libraries_without_build_id`), at the offset
+        // object that is the same build as the parent's (its build-id, or for the
+        // executable the identity the handshake checked; a library without a build-id only
+        // under the caller's promise of `trust_libraries_without_build_id`), at the offset
         // where the parent found its descriptor: they are a `Desc<F>` the compiler made,
         // relocated by the loader, so `type_name` is a `fn() -> &'static str` of this
         // process.
