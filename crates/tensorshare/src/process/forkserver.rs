@@ -5,6 +5,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 
+use super::handshake::Invitation;
 use super::launch::exec_worker;
 use super::worker::{die_with_parent, exit_now, worker_main, ExitKind, FORKSERVER_ENV};
 use crate::channel::socket::{self, Deadline, Received};
@@ -23,7 +24,8 @@ pub(crate) fn start_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
     for attempt in 0..2 {
         if server.is_none() {
             let (ours, theirs) = socket::pair()?;
-            let pid = exec_worker(FORKSERVER_ENV, theirs)?;
+            let invitation = Invitation::send(ours.as_fd(), &[])?;
+            let pid = exec_worker(FORKSERVER_ENV, theirs, &invitation)?;
             *server = Some(Server { sock: ours, pid });
         }
         let s = server.as_ref().expect("started above");
@@ -62,6 +64,17 @@ impl serde::Serialize for WorkerFd<'_> {
         wire::encode_fd(wire::FdSource::Owned(dup)).map_err(wire::ser_error)?;
         s.serialize_unit()
     }
+}
+
+/// A re-executed fork server that cannot work for its parent (see `handshake`): the
+/// parent's first request gets `reason` as its answer, and the server exits.
+pub(crate) fn refuse(sock: OwnedFd, reason: String) -> ! {
+    eprintln!("tensorshare: fork server {}: {reason}", std::process::id());
+    if let Ok(msg) = wire::encode(&std::result::Result::<i32, String>::Err(reason)) {
+        let _ = socket::send(sock.as_fd(), msg, Deadline::after(None), &|| true);
+    }
+    drop(sock);
+    exit_now(1)
 }
 
 /// The server's loop (in the re-executed process): one worker per request, until the

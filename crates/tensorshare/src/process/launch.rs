@@ -9,8 +9,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::context::{Child, ProcessContext};
-use super::job::{entry, Entry, EntryName, Job};
-use super::worker::{install_panic_hook, worker_main, ExitKind, INHERITED_FD, WORKER_ENV};
+use super::handshake::{Invitation, INHERITED_FD};
+use super::job::{entry_name, Job};
+use super::worker::{install_panic_hook, worker_main, ExitKind, WORKER_ENV};
 use super::{atfork, forkserver};
 use crate::channel::socket::{self, Deadline};
 use crate::{wire, Error, Result};
@@ -88,18 +89,20 @@ where
     J: Job<A>,
     A: Serialize + DeserializeOwned,
 {
-    let name = EntryName::of(entry::<J, A> as Entry);
+    let name = entry_name::<J, A>()?;
     // Workers belong to this process's cleanup group (see `shm::group`), whatever start
     // method makes them: a forked worker shares the group lock's open file.
     crate::shm::group::ensure()?;
     let mut ctx = ProcessContext::new(Vec::with_capacity(nprocs));
     for rank in 0..nprocs {
         let (ours, theirs) = socket::pair()?;
-        // Queue the job first: the worker finds it waiting, whatever the start method.
+        // Queue the job first: the worker finds it waiting, whatever the start method; a
+        // re-executed one finds its hello before it (see `handshake`).
+        let launch = Launch::prepare(method, &ours)?;
         for msg in [wire::encode(&name)?, wire::encode(&(rank, job.state(), &args))?] {
             socket::send(ours.as_fd(), msg, Deadline::after(None), &|| true)?;
         }
-        let pid = start(theirs, method)?;
+        let pid = start(theirs, launch)?;
         let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
             .map_err(|e| Error::io("pidfd_open of a new worker", e))?;
         ctx.children.push(Child { rank, pid, pidfd, job: ours, outcome: None });
@@ -107,36 +110,61 @@ where
     Ok(ctx)
 }
 
+/// How one worker is started, with what that needs.
+enum Launch {
+    /// Re-executed (Spawn), with the invitation whose hello is queued on its socket.
+    Exec(Invitation),
+    Fork,
+    ForkServer,
+}
+
+impl Launch {
+    /// Prepares a worker's start by `method` on the socket pair whose parent end is `ours`.
+    fn prepare(method: StartMethod, ours: &OwnedFd) -> Result<Launch> {
+        Ok(match method {
+            StartMethod::Spawn => Launch::Exec(Invitation::send(ours.as_fd(), &[])?),
+            StartMethod::Fork => Launch::Fork,
+            StartMethod::ForkServer => Launch::ForkServer,
+        })
+    }
+}
+
 /// Starts one worker that reads its job from `job`.
-pub(crate) fn start(job: OwnedFd, method: StartMethod) -> Result<rustix::process::Pid> {
-    match method {
-        StartMethod::Spawn => exec_worker(WORKER_ENV, job),
+fn start(job: OwnedFd, launch: Launch) -> Result<rustix::process::Pid> {
+    match launch {
+        Launch::Exec(invitation) => exec_worker(WORKER_ENV, job, &invitation),
         #[cfg(feature = "cuda")]
-        StartMethod::Fork if crate::cuda::is_initialized() => Err(Error::Device(
+        Launch::Fork if crate::cuda::is_initialized() => Err(Error::Device(
             "Cannot re-initialize CUDA in forked subprocess: this process has initialised CUDA, so its \
              workers cannot be started with StartMethod::Fork; use StartMethod::Spawn or ForkServer"
                 .into(),
         )),
-        StartMethod::Fork => fork_worker(job),
-        StartMethod::ForkServer => forkserver::start_worker(job),
+        Launch::Fork => fork_worker(job),
+        Launch::ForkServer => forkserver::start_worker(job),
     }
 }
 
 /// Re-executes this binary as a worker (or fork server) of this process's cleanup group,
 /// with `fd` at descriptor 3 and `var` naming it.
-pub(crate) fn exec_worker(var: &str, fd: OwnedFd) -> Result<rustix::process::Pid> {
+pub(crate) fn exec_worker(var: &str, fd: OwnedFd, invitation: &Invitation) -> Result<rustix::process::Pid> {
     let root = crate::shm::group::ensure()?;
-    exec_helper(var, fd, &[(crate::shm::group::GROUP_ENV, root.to_string())])
+    exec_helper(var, fd, invitation, &[(crate::shm::group::GROUP_ENV, root.to_string())])
 }
 
-/// Re-executes this binary with `fd` at descriptor 3, `var` naming it, and `env` set.
-pub(crate) fn exec_helper(var: &str, fd: OwnedFd, env: &[(&str, String)]) -> Result<rustix::process::Pid> {
+/// Re-executes this binary with `fd` at descriptor 3, `var` naming it and the invitation
+/// whose hello is queued on `fd`'s peer, and `env` set.
+pub(crate) fn exec_helper(
+    var: &str,
+    fd: OwnedFd,
+    invitation: &Invitation,
+    env: &[(&str, String)],
+) -> Result<rustix::process::Pid> {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let mut cmd = Command::new("/proc/self/exe");
     if let Some(arg0) = std::env::args_os().next() {
         cmd.arg0(arg0);
     }
-    cmd.args(WORKER_ARGS).env(var, format!("{INHERITED_FD}:{me}"));
+    cmd.args(WORKER_ARGS).env(var, invitation.env_value(me));
     for (k, v) in env {
         cmd.env(k, v);
     }

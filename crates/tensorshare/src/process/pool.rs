@@ -15,15 +15,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::context::{reap, ProcessContext};
-use super::job::EntryName;
+use super::job::{Desc, InitEntry, JobName, TaskEntry};
 use super::worker::{catch, install_panic_hook, Report};
 use super::{start_processes, Failure, ProcessError, StartMethod};
 use crate::channel::socket::{self, Deadline};
 use crate::channel::{pipe, Connection};
 use crate::wire::{self, Encoded};
 use crate::{Error, Result};
-
-type TaskEntry = fn(socket::Record) -> std::result::Result<Encoded, String>;
 
 #[derive(Serialize, Deserialize)]
 enum Outcome {
@@ -53,25 +51,54 @@ fn init_entry<I: Fn(usize)>(rank: usize) {
     conjure::<I>()(rank)
 }
 
+/// The descriptor of `task_entry::<F, T, U>` (see `job`).
+struct TaskDesc<F, T, U>(PhantomData<(F, T, U)>);
+
+impl<F, T, U> TaskDesc<F, T, U>
+where
+    F: Fn(T) -> U,
+    T: DeserializeOwned,
+    U: Serialize,
+{
+    const DESC: &'static Desc<TaskEntry> =
+        &Desc::new(std::any::type_name::<(F, T, U)>, task_entry::<F, T, U>);
+}
+
+/// The descriptor of `init_entry::<I>`.
+struct InitDesc<I>(PhantomData<I>);
+
+impl<I: Fn(usize)> InitDesc<I> {
+    const DESC: &'static Desc<InitEntry> = &Desc::new(std::any::type_name::<I>, init_entry::<I>);
+}
+
 /// The worker's loop: tasks until the pool hangs up.
 fn pool_worker(
     rank: usize,
-    (conn, init): (Connection<()>, Option<(EntryName, usize)>),
+    (conn, init): (Connection<()>, Option<(JobName, usize)>),
 ) -> std::result::Result<(), String> {
     install_panic_hook();
     if let Some((name, _)) = init {
-        let f = name.resolve_init().ok_or("the pool's initializer is not in this executable")?;
+        let f = name.resolve::<InitEntry>()?;
         f(rank);
     }
     let fd = conn.socket().clone();
+    // A map sends the same name with every task: it is checked once.
+    let mut last: Option<(JobName, TaskEntry)> = None;
     loop {
         let head = match socket::recv(fd.as_fd(), Deadline::after(None), &|| true) {
             Ok(r) => r,
             Err(Error::Disconnected) => return Ok(()),
             Err(e) => return Err(e.to_string()),
         };
-        let name: EntryName = head.decode().map_err(|e| e.to_string())?;
-        let entry: TaskEntry = name.resolve_task().ok_or("a task not in this executable")?;
+        let name: JobName = head.decode().map_err(|e| e.to_string())?;
+        let entry = match &last {
+            Some((known, entry)) if *known == name => *entry,
+            _ => {
+                let entry = name.resolve::<TaskEntry>()?;
+                last = Some((name, entry));
+                entry
+            }
+        };
         let payload = socket::recv(fd.as_fd(), Deadline::after(None), &|| true).map_err(|e| e.to_string())?;
         let mut result = None;
         let report = catch(|| {
@@ -111,7 +138,7 @@ struct Worker {
 pub struct Pool {
     workers: Vec<Worker>,
     method: StartMethod,
-    init: Option<(EntryName, usize)>,
+    init: Option<(JobName, usize)>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -139,10 +166,10 @@ impl Pool {
     {
         let () = ZeroSized::<I>::OK;
         let _ = init;
-        Pool::build(n, method, Some((EntryName::of_init(init_entry::<I>), 0)))
+        Pool::build(n, method, Some((JobName::of(InitDesc::<I>::DESC)?, 0)))
     }
 
-    fn build(n: usize, method: StartMethod, init: Option<(EntryName, usize)>) -> Result<Pool> {
+    fn build(n: usize, method: StartMethod, init: Option<(JobName, usize)>) -> Result<Pool> {
         if n == 0 {
             return Err(Error::shape("a pool needs at least one worker"));
         }
@@ -156,7 +183,7 @@ impl Pool {
 
     fn start(&self, rank: usize) -> Result<Worker> {
         let (ours, theirs) = pipe::<()>()?;
-        let mut ctx = start_processes(pool_worker, (theirs, self.init), 1, self.method)?;
+        let mut ctx = start_processes(pool_worker, (theirs, self.init.clone()), 1, self.method)?;
         ctx.children[0].rank = rank;
         let sock = ours.socket().try_clone().map_err(|e| Error::io("dup of a pool socket", e))?;
         Ok(Worker { ctx, sock, task: None })
@@ -208,7 +235,8 @@ impl Pool {
     {
         let () = ZeroSized::<F>::OK;
         let _ = f;
-        Tasks::new(self, EntryName::of_task(task_entry::<F, T, U>), items.into_iter(), ordered)
+        let entry = JobName::of(TaskDesc::<F, T, U>::DESC).map_err(|e| e.to_string());
+        Tasks::new(self, entry, items.into_iter(), ordered)
     }
 }
 
@@ -239,7 +267,8 @@ impl Drop for Pool {
 /// `Result<U>`: a task that failed yields its error and the others go on.
 pub struct Tasks<'p, T, U, I> {
     pool: &'p mut Pool,
-    entry: EntryName,
+    /// The tasks' name, or why the function cannot be named (then every item fails).
+    entry: std::result::Result<JobName, String>,
     items: I,
     next_index: usize,
     ordered: bool,
@@ -257,7 +286,7 @@ where
     U: Serialize + DeserializeOwned,
     I: Iterator<Item = T>,
 {
-    fn new(pool: &'p mut Pool, entry: EntryName, items: I, ordered: bool) -> Self {
+    fn new(pool: &'p mut Pool, entry: std::result::Result<JobName, String>, items: I, ordered: bool) -> Self {
         Tasks {
             pool,
             entry,
@@ -291,7 +320,8 @@ where
             self.next_index += 1;
             let sent = (|| -> Result<()> {
                 let w = &self.pool.workers[wi];
-                socket::send(w.sock.as_fd(), wire::encode(&self.entry)?, Deadline::after(None), &|| true)?;
+                let entry = self.entry.as_ref().map_err(|e| Error::Unsupported(e.clone()))?;
+                socket::send(w.sock.as_fd(), wire::encode(entry)?, Deadline::after(None), &|| true)?;
                 socket::send(w.sock.as_fd(), wire::encode(&item)?, Deadline::after(None), &|| true)
             })();
             match sent {

@@ -1,21 +1,19 @@
 //! The worker side: what a started process does before, during and after its job.
 
 use std::cell::RefCell;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::panic::AssertUnwindSafe;
 
 use serde::{Deserialize, Serialize};
 
-use super::job::{EntryName, JobResult};
+use super::job::{Entry, JobName, JobResult};
 use crate::channel::socket::{self, Deadline};
 use crate::wire;
 
-/// Set in a re-executed worker: `<job fd>:<parent pid>`.
+/// Set in a re-executed worker: `<job fd>:<parent pid>:<token>` (see `handshake`).
 pub(crate) const WORKER_ENV: &str = "TENSORSHARE_WORKER";
-/// Set in a fork server: `<control fd>:<parent pid>`.
+/// Set in a fork server: `<control fd>:<parent pid>:<token>` (see `handshake`).
 pub(crate) const FORKSERVER_ENV: &str = "TENSORSHARE_FORKSERVER";
-/// The descriptor number a re-executed process finds its socket at.
-pub(crate) const INHERITED_FD: i32 = 3;
 
 /// What a worker tells its parent at the end of its job.
 #[derive(Serialize, Deserialize, Debug)]
@@ -23,36 +21,6 @@ pub(crate) enum Report {
     Done,
     Raised { message: String, location: Option<String>, backtrace: Option<String> },
     Lost { reason: String },
-}
-
-/// Reads `<fd>:<pid>` from `var`, if set, and takes it out of the environment so that
-/// processes this one starts do not see it. A process started as a worker whose parent is
-/// already gone exits here: it must not go on to run the program's `main`.
-pub(crate) fn inherited(var: &str) -> Option<(OwnedFd, i32)> {
-    let v = std::env::var(var).ok()?;
-    // init() is the first line of main, before the program has threads of its own.
-    std::env::remove_var(var);
-    let parsed =
-        v.split_once(':').and_then(|(fd, ppid)| Some((fd.parse::<i32>().ok()?, ppid.parse::<i32>().ok()?)));
-    let Some((fd, ppid)) = parsed.filter(|(fd, _)| *fd == INHERITED_FD) else {
-        eprintln!("tensorshare: ignoring a malformed {var}={v:?}");
-        return None;
-    };
-    let parent = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
-    if parent != Some(ppid) {
-        // Orphaned between the parent's exec and this line.
-        exit_now(1);
-    }
-    // SAFETY: the parent put our socket at this descriptor for us; it is borrowed only for
-    // this fstat.
-    let st = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).ok();
-    if st.is_none_or(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket) {
-        eprintln!("tensorshare: {var} is set but descriptor {fd} is not the job socket");
-        exit_now(1);
-    }
-    // SAFETY: the parent put our socket at this descriptor for us (checked above); nothing
-    // else in this process owns it.
-    Some((unsafe { OwnedFd::from_raw_fd(fd) }, ppid))
 }
 
 /// Makes this process die with its parent (the thread that started it, in Linux terms).
@@ -136,6 +104,15 @@ pub(crate) fn send_report(job: &OwnedFd, report: &Report) {
     }
 }
 
+/// A re-executed worker that cannot work for its parent (see `handshake`): says why, to
+/// the parent and on stderr, and exits without running anything.
+pub(crate) fn refuse(job: OwnedFd, reason: String) -> ! {
+    eprintln!("tensorshare: worker {}: {reason}", std::process::id());
+    send_report(&job, &Report::Lost { reason });
+    drop(job);
+    exit_now(1)
+}
+
 /// A worker's life: read which job to run and its arguments from the job socket, run it,
 /// report, exit.
 pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
@@ -164,8 +141,8 @@ fn run_job(job: &OwnedFd) -> std::result::Result<Report, String> {
     let parent_alive = || true; // the job socket's hang-up tells
     let name = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job: {e}"))?;
-    let name: EntryName = name.decode().map_err(|e| format!("reading the job: {e}"))?;
-    let entry = name.resolve().ok_or("the worker runs a different executable than its parent")?;
+    let name: JobName = name.decode().map_err(|e| format!("reading the job: {e}"))?;
+    let entry = name.resolve::<Entry>()?;
     let payload = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job's arguments: {e}"))?;
     Ok(catch(|| entry(payload)))

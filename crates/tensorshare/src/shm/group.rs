@@ -13,6 +13,13 @@
 //! then removes every file of the group. So after SIGKILL of any or all members, nothing is
 //! left once the last one is gone, with nobody running a command; and while any member
 //! lives, every segment (hence every message in flight) stays readable.
+//!
+//! The constructor runs in every program that links tensorshare, so the variable that
+//! marks a cleaner proves nothing alone: a process acts as a cleaner only after the
+//! handshake of `process::handshake` (its descriptor 3 is a socket the founder made, with a
+//! hello carrying the launch's token), and only for the group of that founder, whose lock
+//! file the hello carries: the cleaner checks that it is the very file it finds under the
+//! group's name. Anything less, and the program runs as usual.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
@@ -21,6 +28,7 @@ use rustix::fs::{FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 use super::{shm_dir, NAME_PREFIX};
+use crate::process::{self, Arrival, Invitation, Invited, Role};
 use crate::{Error, Result};
 
 /// Names the group a worker joins: the root's pid.
@@ -80,7 +88,7 @@ fn found() -> Result<Group> {
     let root = rustix::process::getpid().as_raw_nonzero().get();
     let lock = create_locked(root)?;
     // The lock first, then the cleaner: it must find a member when it starts waiting.
-    let cleaner = start_cleaner(root)?;
+    let cleaner = start_cleaner(&lock)?;
     Ok(Group { root, _lock: lock, cleaner: Some(cleaner) })
 }
 
@@ -142,47 +150,73 @@ pub fn current() -> Option<i32> {
     GROUP.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|g| g.root)
 }
 
-fn start_cleaner(root: i32) -> Result<i32> {
-    // Started as a worker is; the socket at fd 3 goes unused (the cleaner needs nothing
-    // from its parent, which it outlives).
-    let (_ours, theirs) = crate::channel::socket::pair()?;
-    let pid = crate::process::exec_helper(CLEANER_ENV, theirs, &[(GROUP_ENV, root.to_string())])?;
+/// Starts the cleaner of this process's group, whose lock file is `lock`.
+fn start_cleaner(lock: &OwnedFd) -> Result<i32> {
+    // Started as a worker is, with the group's lock file in its hello as the proof of which
+    // group it cleans: the group of the process that made the socket (no variable names
+    // it). Nothing else passes on the socket: the cleaner outlives its parent.
+    let (ours, theirs) = crate::channel::socket::pair()?;
+    let invitation = Invitation::send(ours.as_fd(), &[lock.as_fd()])?;
+    let pid = crate::process::exec_helper(CLEANER_ENV, theirs, &invitation, &[])?;
     Ok(pid.as_raw_nonzero().get())
 }
 
 /// Runs in every process of a program that links tensorshare, before `main`: in the cleaner
 /// it does the cleaner's work and exits, so the cleaner never runs the program's own `main`,
-/// whether or not that calls [`init`](crate::init).
+/// whether or not that calls [`init`](crate::init). Anywhere else (the variable unset, or
+/// not proven, see the module docs) it returns and the program runs.
 #[used]
 #[link_section = ".init_array"]
 static CLEANER_HOOK: extern "C" fn() = cleaner_hook;
 
 extern "C" fn cleaner_hook() {
-    if std::env::var_os(CLEANER_ENV).is_some() {
-        run_cleaner();
+    // Before main: this process has one thread, as `arrive` requires.
+    match process::arrive(CLEANER_ENV, Role::Cleaner) {
+        Arrival::Program => {}
+        Arrival::Invited(invited) => run_cleaner(invited),
+        Arrival::Orphaned => process::exit_now(0),
+        Arrival::Refused { reason, .. } => {
+            eprintln!("tensorshare: shared-memory cleaner: {reason}");
+            process::exit_now(1)
+        }
     }
 }
 
 /// The cleaner's life (in the re-executed process): wait until every member is gone,
 /// remove the group's files, exit.
-fn run_cleaner() -> ! {
-    let code = match clean_when_dead() {
+fn run_cleaner(invited: Invited) -> ! {
+    drop(invited.sock);
+    let code = match clean_when_dead(invited.parent, invited.fds) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("tensorshare: shared-memory cleaner: {e}");
             1
         }
     };
-    crate::process::exit_now(code)
+    process::exit_now(code)
 }
 
-fn clean_when_dead() -> Result<()> {
-    let _ = rustix::process::setsid(); // not in the group's session: Ctrl-C does not reach it
-    let root: i32 = std::env::var(GROUP_ENV)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| Error::Parse(format!("{GROUP_ENV} is not set")))?;
+/// Cleans the group of `root` once its members are gone; `proof` is what the founder
+/// attached to the hello: the group's lock file.
+fn clean_when_dead(root: i32, proof: Vec<OwnedFd>) -> Result<()> {
+    // Not in the group's session: Ctrl-C does not reach it.
+    let _ = rustix::process::setsid();
+    // A lock of our own: flock belongs to an open file, and the founder's is shared.
     let lock = open_lock(root)?;
+    let same_file = |a: &OwnedFd, b: &OwnedFd| match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {
+        (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
+        _ => false,
+    };
+    match proof.as_slice() {
+        [founders] if same_file(founders, &lock) => {}
+        _ => {
+            return Err(Error::invalid(format!(
+                "the founder of group {root} did not send the lock file {}; nothing removed",
+                lock_name(root)
+            )))
+        }
+    }
+    drop(proof);
     loop {
         match rustix::fs::flock(&lock, FlockOperation::LockExclusive) {
             Ok(()) => break,
