@@ -52,7 +52,7 @@ const LARGE_RETAIN: usize = 1 << 30;
 /// Messages that share one send description before it is retired.
 pub(crate) const SEND_BATCH: u32 = 64;
 /// A holder gives back slots it no longer uses in runs, once this many are waiting (or
-/// `PENDING_BYTES` of them), at its next receive from the arena, or when it drops the arena.
+/// `PENDING_BYTES` of them), or all at once when it drops the arena.
 const PENDING_SLOTS: usize = 16;
 const PENDING_BYTES: usize = 1 << 20;
 /// Slots the creator checks for other holders in one `F_OFD_GETLK`.
@@ -104,7 +104,11 @@ struct State {
 /// The description messages from this process carry, with the slots locked on it.
 struct SendHold {
     fd: Arc<OwnedFd>,
+    /// Slots locked on it. The creator locks runs ahead of what it sends (so that sending a
+    /// fresh slot rarely costs a syscall); such a lock holds nothing anyone uses.
     locked: Vec<bool>,
+    /// Slots named by messages that carried it.
+    sent: Vec<bool>,
     messages: u32,
 }
 
@@ -232,27 +236,28 @@ impl Arena {
             return false;
         }
         if st.exposed[i] {
+            // Messages sent under the current send description may still carry the slot: let
+            // that description go, so that they alone hold it, and ask the kernel.
+            if st.send.as_ref().is_some_and(|s| s.sent[i]) {
+                st.send = None;
+            }
+            // Asked from the send description (if any), the kernel leaves out its locks:
+            // ahead-of-time ones, and those of sent slots, which are all retired above.
+            let st = &mut *st;
+            let fd = st.send.as_ref().map_or(self.seg.fd(), |s| s.fd.as_fd());
             // One question for a run of slots: the allocator takes them in order.
             let run = CHECK_RUN.min(self.nslots - slot);
-            if matches!(range_free(self.seg.fd(), slot, run), Ok(true)) {
-                st.exposed[i..i + run as usize].fill(false);
-            } else {
-                match locked_elsewhere(self.seg.fd(), slot) {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        // Perhaps only by our own send description: retire it (messages in
-                        // flight keep it alive as long as they need) and ask again.
-                        if !st.send.as_ref().is_some_and(|s| s.locked[i]) {
-                            return false;
-                        }
-                        st.send = None;
-                        if !matches!(locked_elsewhere(self.seg.fd(), slot), Ok(false)) {
-                            return false;
-                        }
+            if matches!(range_free(fd, slot, run), Ok(true)) {
+                let sent = st.send.as_ref().map(|s| &s.sent[i..i + run as usize]);
+                for (j, e) in st.exposed[i..i + run as usize].iter_mut().enumerate() {
+                    if !sent.is_some_and(|s| s[j]) {
+                        *e = false;
                     }
-                    Err(_) => return false,
                 }
+            } else if matches!(range_free(fd, slot, 1), Ok(true)) {
                 st.exposed[i] = false;
+            } else {
+                return false;
             }
         }
         st.local[i] = 1;
@@ -282,8 +287,6 @@ impl Arena {
                 lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
                     .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
             }
-            // This process is receiving from the arena: a good time to give back the rest.
-            self.flush(&mut st);
         }
         for &slot in slots {
             let c = &mut st.local[slot as usize];
@@ -292,8 +295,8 @@ impl Arena {
         Ok(())
     }
 
-    /// One handle of `slot` less; the last one gives the process's lock back (soon: see
-    /// `PENDING_SLOTS`).
+    /// One handle of `slot` less; the last one gives the process's lock back (in a run with
+    /// others: see `PENDING_SLOTS`).
     fn release(&self, slot: u32) {
         let mut st = self.state();
         let i = slot as usize;
@@ -334,9 +337,11 @@ impl Arena {
             st.send = None;
         }
         if st.send.is_none() {
+            let n = self.nslots as usize;
             st.send = Some(SendHold {
                 fd: Arc::new(self.seg.reopen()?),
-                locked: vec![false; self.nslots as usize],
+                locked: vec![false; n],
+                sent: vec![false; n],
                 messages: 0,
             });
         }
@@ -344,12 +349,15 @@ impl Arena {
         let send = st.send.as_mut().expect("set above");
         let mut need: Vec<u32> = slots.iter().copied().filter(|&s| !send.locked[s as usize]).collect();
         for (start, len) in runs(&mut need) {
+            // The creator locks ahead: the slots after these are the ones it hands out next.
+            let len = if self.creator { len.max(CHECK_RUN).min(self.nslots - start) } else { len };
             lock_range(send.fd.as_fd(), start, len, libc::F_RDLCK)
                 .map_err(|e| Error::io("locking slots for a message (F_OFD_SETLK)", e))?;
             send.locked[start as usize..(start + len) as usize].fill(true);
         }
-        if self.creator {
-            for &slot in slots {
+        for &slot in slots {
+            send.sent[slot as usize] = true;
+            if self.creator {
                 st.exposed[slot as usize] = true;
             }
         }
@@ -459,10 +467,6 @@ fn range_free(fd: BorrowedFd<'_>, start: u32, len: u32) -> std::io::Result<bool>
         return Err(std::io::Error::last_os_error());
     }
     Ok(fl.l_type == libc::F_UNLCK as i16)
-}
-
-fn locked_elsewhere(fd: BorrowedFd<'_>, slot: u32) -> std::io::Result<bool> {
-    range_free(fd, slot, 1).map(|free| !free)
 }
 
 /// Where this process's arenas are kept, one allocator per strategy.
