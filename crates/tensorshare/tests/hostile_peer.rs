@@ -363,3 +363,36 @@ fn an_arena_is_reached_only_through_its_descriptor() {
     assert!(back.get().unwrap(), "the peer's message reached the victim's memory");
     assert_eq!(ctx.join(None), Ok(true));
 }
+
+/// The documented limit of file_system: a named file cannot be sealed, so a process that
+/// truncates it kills a reader that then touches the cut pages (SIGBUS), as in torch. The
+/// file_descriptor strategy (the default) refuses this (see above).
+fn named_truncation(_: ()) {
+    tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    let mut t = Tensor::full(&[1 << 20], 1.0f32);
+    t.share_memory().unwrap();
+    let name = t.storage().segment_name().expect("a named segment");
+    let (go, wait) = pipe::<u32>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (t, wait): (Tensor, Connection<u32>)| {
+            wait.send(&0).unwrap(); // mapped
+            wait.recv().unwrap();
+            let _ = t.to_vec::<f32>(); // touches the pages that are gone
+        },
+        (t.clone(), wait),
+        1,
+    )
+    .unwrap();
+    assert_eq!(go.recv().unwrap(), 0);
+    let path = tensorshare::shm::shm_dir().join(&name);
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+    go.send(&1).unwrap();
+    let err = ctx.join(None).unwrap_err();
+    assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
+    drop(t); // unmapping touches nothing
+}
+
+#[test]
+fn a_truncated_named_segment_is_the_documented_limit_of_file_system() {
+    checked!(named_truncation, (), ());
+}

@@ -203,3 +203,36 @@ fn sigkill_of_the_consumer_mid_stream_leaves_nothing() {
 fn sigkill_of_both_mid_stream_leaves_nothing() {
     crash(Kill::Both);
 }
+
+/// A producer SIGKILLed with a message in flight: the message stays readable, and the dead
+/// producer's files go as soon as a member of the group that still runs makes a named
+/// arena, not only when the whole group exits.
+fn dead_producer_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    let root = found_group(&status);
+    let q: Queue<Tensor> = Queue::with_capacity(16).unwrap();
+    let ready: Queue<()> = Queue::new().unwrap();
+    let mut p = spawn(send_ten_then_wait, (q.clone(), ready.clone()), 1).unwrap();
+    ready.get().unwrap();
+    let producer = p.pids()[0];
+    assert!(files_of(root).iter().any(|s| s.creator == Some(producer)));
+    let pid = rustix::process::Pid::from_raw(producer).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    assert_eq!(p.join(None).unwrap_err().signal_name(), Some("SIGKILL"));
+    let first = q.get().unwrap();
+    // This process makes a named arena of its own: the dead producer's names are swept.
+    let mine = Tensor::zeros_shared(&[3 << 20], DType::U8).unwrap();
+    let left: Vec<_> = files_of(root).into_iter().filter(|s| s.creator == Some(producer)).collect();
+    assert!(left.is_empty(), "the dead producer's files outlive it: {left:?}");
+    // What was in flight is still there, memory and all.
+    assert!(first.to_vec::<f32>().unwrap().iter().all(|v| *v == 0.0));
+    for i in 1..10 {
+        assert!(q.get().unwrap().to_vec::<f32>().unwrap().iter().all(|v| *v == i as f32));
+    }
+    drop((first, mine));
+}
+
+#[test]
+fn a_dead_producers_files_go_while_the_group_runs() {
+    let (root, cleaner) = in_new_group(dead_producer_body, ());
+    assert_cleaned(root, &cleaner);
+}

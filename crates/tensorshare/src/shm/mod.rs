@@ -138,9 +138,10 @@ impl Segment {
     }
 
     /// Maps a descriptor of a named segment received from another process: accepted only
-    /// if `name` is a segment name and the file of that name in the shared-memory directory
-    /// is the very file the descriptor refers to, so that nothing but our own segments (no
-    /// file on disk, no memfd claiming a name) is taken for one.
+    /// if `name` is a segment name and the descriptor is a regular file on the filesystem of
+    /// the shared-memory directory, so that no file on disk is taken for a segment. The name
+    /// itself need not exist any more (a dead creator's names are swept while the memory
+    /// lives on in the descriptors that hold it).
     ///
     /// Named files cannot be sealed: see the threat model in the README for what a peer
     /// that truncates one can do.
@@ -149,13 +150,14 @@ impl Segment {
             return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
         }
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received fd", e))?;
-        let on_disk = rustix::fs::stat(limits::shm_dir().join(name)).map_err(|e| {
-            Error::invalid(format!("received segment {name} is not in the shared-memory directory: {e}"))
-        })?;
-        if (st.st_dev, st.st_ino) != (on_disk.st_dev, on_disk.st_ino)
+        let dir = rustix::fs::stat(limits::shm_dir())
+            .map_err(|e| Error::io(format!("stat of {}", limits::shm_dir().display()), e))?;
+        if st.st_dev != dir.st_dev
             || rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
         {
-            return Err(Error::invalid(format!("a received descriptor is not segment {name}")));
+            return Err(Error::invalid(format!(
+                "a received descriptor named {name} is not a file of the shared-memory directory's filesystem"
+            )));
         }
         let size = usize::try_from(st.st_size)
             .ok()

@@ -34,6 +34,7 @@ pub fn parse_name(name: &str) -> Option<(i32, i32)> {
 pub(super) fn create_exclusive() -> Result<(OwnedFd, String)> {
     let root = super::group::ensure()?;
     let pid = rustix::process::getpid().as_raw_nonzero();
+    sweep_dead_creators(root, pid.get());
     for _ in 0..16 {
         let mut rnd = [0u8; 8];
         crate::util::random_bytes(&mut rnd);
@@ -50,6 +51,29 @@ pub(super) fn create_exclusive() -> Result<(OwnedFd, String)> {
         }
     }
     Err(Error::io("creating a named segment", std::io::Error::other("no free name after 16 tries")))
+}
+
+/// Removes the names of the group's segments whose creator has died (SIGKILL leaves them):
+/// whoever still holds one keeps its memory through a descriptor, and the memory goes with
+/// the last of those, while the rest of the group runs on. A creator's pid taken over by a
+/// new process keeps its files until the group's cleaner removes them.
+fn sweep_dead_creators(root: i32, me: i32) {
+    let Ok(dir) = std::fs::read_dir(shm_dir()) else { return };
+    let prefix = format!("{NAME_PREFIX}{root}_");
+    for entry in dir.flatten() {
+        let Ok(name) = entry.file_name().into_string() else { continue };
+        if !name.starts_with(&prefix) {
+            continue;
+        }
+        let Some((_, creator)) = parse_name(&name) else { continue };
+        if creator == me {
+            continue;
+        }
+        let Some(pid) = rustix::process::Pid::from_raw(creator) else { continue };
+        if rustix::process::test_kill_process(pid) == Err(Errno::SRCH) {
+            unlink(&name);
+        }
+    }
 }
 
 /// Removes a named segment's file; the memory lives on while anyone maps it.
