@@ -55,3 +55,61 @@ fn a_private_tensor_sent_to_a_worker_is_shared_in_place() {
     assert_eq!(weights.to_vec::<f32>().unwrap(), vec![4.0; 8]);
     assert_eq!(view.to_vec::<f32>().unwrap(), vec![4.0; 4]);
 }
+
+/// "Fill the task queue, then start the workers": `put` on an unbounded queue never waits,
+/// with no consumer in existence, for a million small messages; a worker started afterwards
+/// gets every one of them, in order.
+#[test]
+fn put_on_an_unbounded_queue_never_waits_for_a_consumer() {
+    const N: u64 = 1_000_000;
+    let q: Queue<u64> = Queue::new().unwrap();
+    for i in 0..N {
+        q.put(i).unwrap();
+    }
+    let (done, wait) = tensorshare::pipe::<u64>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, done): (Queue<u64>, tensorshare::Connection<u64>)| {
+            for i in 0..N {
+                assert_eq!(q.get().unwrap(), i, "in order");
+            }
+            done.send(&N).unwrap();
+        },
+        (q.clone(), done),
+        1,
+    )
+    .unwrap();
+    assert_eq!(wait.recv().unwrap(), N);
+    assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// The same with ten thousand messages that each carry a 1 MiB shared tensor (one storage,
+/// so the test does not need ten gigabytes): the tensors arrive whole.
+#[test]
+fn put_never_waits_for_messages_carrying_tensors_either() {
+    const N: usize = 10_000;
+    let q: Queue<(usize, Tensor)> = Queue::new().unwrap();
+    let mut t = Tensor::empty_shared(&[1 << 18], DType::F32).unwrap();
+    t.fill(2.0f32).unwrap();
+    for i in 0..N {
+        q.put((i, t.clone())).unwrap();
+    }
+    let sums: Queue<f64> = Queue::new().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, sums): (Queue<(usize, Tensor)>, Queue<f64>)| {
+            let mut total = 0.0;
+            for i in 0..N {
+                let (j, t) = q.get().unwrap();
+                assert_eq!(j, i);
+                if i % 1000 == 0 {
+                    total += t.to_vec::<f32>().unwrap().iter().map(|v| *v as f64).sum::<f64>();
+                }
+            }
+            sums.put(total).unwrap();
+        },
+        (q.clone(), sums.clone()),
+        1,
+    )
+    .unwrap();
+    assert_eq!(sums.get().unwrap(), 10.0 * 2.0 * (1 << 18) as f64);
+    assert_eq!(ctx.join(None), Ok(true));
+}

@@ -4,6 +4,7 @@
 mod control;
 mod fd;
 mod frame;
+mod outbox;
 mod pipe;
 mod queue;
 pub(crate) mod socket;

@@ -10,21 +10,28 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::control::Control;
-use super::frame;
+use super::frame::{self, Outgoing};
+use super::outbox::Outbox;
 use super::socket::{self, Deadline};
 use crate::util::lock;
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
 
-/// The process-wide state of one queue: its two socket ends and its control block. Every
-/// handle of the queue in this process shares it, so the process holds each descriptor
-/// once (which POSIX locks need: closing any descriptor of the file drops them).
+/// The process-wide state of one queue: its two socket ends, its control block and this
+/// process's outbox. Every handle of the queue in this process shares it.
 pub(crate) struct Core {
     /// Producers write here.
     tx: Arc<OwnedFd>,
     /// Consumers read here.
     rx: Arc<OwnedFd>,
-    control: Control,
+    control: Arc<Control>,
+    outbox: Arc<Outbox>,
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.outbox.flush_at_drop(&self.control);
+    }
 }
 
 type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
@@ -43,7 +50,12 @@ impl Core {
         let (tx, rx) = socket::pair()?;
         let control = Control::create(capacity)?;
         let id = control.id()?;
-        let core = Arc::new(Core { tx: Arc::new(tx), rx: Arc::new(rx), control });
+        let core = Arc::new(Core {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            control: Arc::new(control),
+            outbox: Arc::new(Outbox::new()),
+        });
         let mut reg = lock(registry());
         reg.retain(|_, w| w.strong_count() > 0);
         reg.insert(id, Arc::downgrade(&core));
@@ -66,15 +78,21 @@ impl Core {
                 return Err(Error::invalid("a queue endpoint that is not a socket"));
             }
         }
-        let core = Arc::new(Core { tx: Arc::new(tx), rx: Arc::new(rx), control: Control::open(ctl)? });
+        let core = Arc::new(Core {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            control: Arc::new(Control::open(ctl)?),
+            outbox: Arc::new(Outbox::new()),
+        });
         reg.insert(id, Arc::downgrade(&core));
         Ok(core)
     }
 
     /// Whether anyone but the caller's handle could still put or get: another handle in
-    /// this process, or another process holding the queue.
+    /// this process, another process holding the queue, or this process's own records
+    /// still on their way out.
     fn others(self: &Arc<Core>) -> bool {
-        Arc::strong_count(self) > 1 || self.control.others_alive()
+        Arc::strong_count(self) > 1 || self.control.others_alive() || self.outbox.pending()
     }
 
     fn put<T: Serialize + ?Sized>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
@@ -92,8 +110,11 @@ impl Core {
                 return Err(Error::Disconnected);
             }
         }
-        // Asked only while the socket is full: then another reader must exist.
-        socket::send(self.tx.as_fd(), msg, deadline, &|| self.others())
+        let core = Arc::downgrade(self);
+        let control = self.control.clone();
+        let alive = Arc::new(move || core.strong_count() > 0 || control.others_alive());
+        Outgoing::new(msg)
+            .and_then(|out| self.outbox.put(&self.tx, out, alive))
             .inspect_err(|_| self.control.release())
     }
 

@@ -88,7 +88,16 @@ pub(crate) fn send(
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
 ) -> Result<()> {
-    let mut out = Outgoing::new(msg)?;
+    send_outgoing(fd, Outgoing::new(msg)?, deadline, alive)
+}
+
+/// [`send`] of a message already framed.
+pub(crate) fn send_outgoing(
+    fd: BorrowedFd<'_>,
+    mut out: Outgoing,
+    deadline: Deadline,
+    alive: &dyn Fn() -> bool,
+) -> Result<()> {
     loop {
         match send_record(fd, out.parts(), &out.fds()) {
             Ok(()) => return Ok(()),

@@ -1,0 +1,191 @@
+//! A queue's outbox: what this process put that the socket could not take yet.
+//!
+//! A socket holds a few hundred records. So that `put` on an unbounded queue never waits
+//! ("fill the task queue, then start the workers"), records that do not fit wait here, in
+//! order, and a feeder thread writes them out as consumers make room (Python's
+//! `multiprocessing.Queue` works the same way). While the outbox has records, new ones
+//! queue behind them, so each producer's values arrive in the order it put them.
+//!
+//! The records keep what they hold (descriptors, and with them their slots) until they are
+//! written. The last handle of the queue in a process waits, when dropped, until the
+//! outbox is written out, as long as another process holds the queue and could read it.
+//! A forked child does not own its parent's outbox: it writes directly and never waits.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rustix::event::PollFlags;
+use rustix::io::Errno;
+
+use super::control::Control;
+use super::frame::Outgoing;
+use super::socket::{self, Deadline};
+use crate::util::lock;
+use crate::{Error, Result};
+
+/// Whether a reader of the queue can still exist.
+pub(crate) type Alive = Arc<dyn Fn() -> bool + Send + Sync>;
+
+pub(crate) struct Outbox {
+    /// The process whose outbox this is.
+    pid: i32,
+    state: Mutex<State>,
+    written: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    records: VecDeque<Outgoing>,
+    /// A feeder thread runs (it may hold the front record outside the lock).
+    feeding: bool,
+    /// Why the feeder gave up: every record since is refused with it.
+    failed: Option<FeedError>,
+}
+
+#[derive(Clone, Copy)]
+enum FeedError {
+    /// No process that could read is left.
+    Disconnected,
+    /// The feeder could not start.
+    NoThread,
+}
+
+impl Outbox {
+    pub(crate) fn new() -> Outbox {
+        Outbox { pid: getpid(), state: Mutex::new(State::default()), written: Condvar::new() }
+    }
+
+    fn own(&self) -> bool {
+        self.pid == getpid()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Whether records of this process are still on their way (a reader may wait for them).
+    pub(crate) fn pending(&self) -> bool {
+        self.own() && {
+            let st = self.state();
+            st.feeding || !st.records.is_empty()
+        }
+    }
+
+    /// Sends `out` now if the socket has room and nothing of ours waits before it;
+    /// otherwise queues it for the feeder. Never waits for room.
+    ///
+    /// `alive` says whether a reader can still exist (a handle in this process, or another
+    /// process holding the queue); the feeder asks it while it waits.
+    pub(crate) fn put(self: &Arc<Outbox>, tx: &Arc<OwnedFd>, mut out: Outgoing, alive: Alive) -> Result<()> {
+        if !self.own() {
+            // A forked child: its parent's feeder is not here. Write directly, waiting.
+            return socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive);
+        }
+        let mut st = self.state();
+        match st.failed {
+            Some(FeedError::Disconnected) => return Err(Error::Disconnected),
+            Some(FeedError::NoThread) | None => {}
+        }
+        if st.records.is_empty() && !st.feeding {
+            loop {
+                match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
+                    Ok(()) => return Ok(()),
+                    Err(Errno::AGAIN) => break,
+                    Err(Errno::MSGSIZE) if !out.is_spilled() => out.spill()?,
+                    Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
+                        return Err(Error::Disconnected)
+                    }
+                    Err(e) => return Err(Error::io("sendmsg", e)),
+                }
+            }
+        }
+        st.records.push_back(out);
+        if !st.feeding {
+            let (me, tx) = (self.clone(), tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name("tensorshare-feed".into())
+                .spawn(move || me.feed(&tx, &*alive));
+            match spawned {
+                Ok(_) => st.feeding = true,
+                Err(e) => {
+                    st.records.pop_back();
+                    st.failed = Some(FeedError::NoThread);
+                    return Err(Error::io("starting a queue's feeder thread", e));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The feeder: writes the records out in order, waiting for room, until none is left,
+    /// or no process that could read them is left (then they are dropped, which gives back
+    /// what they held).
+    fn feed(&self, tx: &OwnedFd, alive: &(dyn Fn() -> bool + Send + Sync)) {
+        loop {
+            let Some(mut out) = self.state().records.pop_front() else {
+                let mut st = self.state();
+                if st.records.is_empty() {
+                    st.feeding = false;
+                    self.written.notify_all();
+                    return;
+                }
+                continue;
+            };
+            let sent = loop {
+                match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
+                    Ok(()) => break true,
+                    Err(Errno::AGAIN) => {}
+                    Err(Errno::MSGSIZE) if !out.is_spilled() => {
+                        if out.spill().is_err() {
+                            break false;
+                        }
+                        continue;
+                    }
+                    Err(_) => break false,
+                }
+                let ready =
+                    socket::wait(tx.as_fd(), PollFlags::OUT, Duration::from_millis(50)).unwrap_or(false);
+                if !ready && !alive() {
+                    break false;
+                }
+            };
+            if !sent {
+                let mut st = self.state();
+                st.records.clear();
+                st.failed = Some(FeedError::Disconnected);
+                st.feeding = false;
+                self.written.notify_all();
+                return;
+            }
+        }
+    }
+
+    /// Waits until what this process put is written out, while another process holds the
+    /// queue (otherwise nobody could ever read it, and the records go).
+    pub(crate) fn flush_at_drop(&self, control: &Control) {
+        if !self.own() {
+            return;
+        }
+        let mut st = self.state();
+        while st.feeding || !st.records.is_empty() {
+            if !st.feeding {
+                break; // records with no feeder (it could not start): nothing will write them
+            }
+            if !control.others_alive() {
+                st.records.clear();
+                break;
+            }
+            st = self
+                .written
+                .wait_timeout(st, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+fn getpid() -> i32 {
+    rustix::process::getpid().as_raw_nonzero().get()
+}
