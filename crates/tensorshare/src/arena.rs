@@ -341,7 +341,12 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Block> {
 }
 
 fn allocate_large(pool: &mut Pool, len: usize, strategy: SharingStrategy) -> Result<Block> {
-    let want = len.div_ceil(PAGE) * PAGE;
+    // Rounded up to whole pages; a length near usize::MAX must be an error, not a wrapped
+    // tiny size behind a huge storage length.
+    let want = len
+        .checked_next_multiple_of(PAGE)
+        .filter(|&w| w <= isize::MAX as usize)
+        .ok_or_else(|| Error::shape(format!("a shared storage of {len} bytes is too large")))?;
     // Reuse a free arena that is big enough but not wastefully big.
     let mut best: Option<usize> = None;
     for (i, a) in pool.large.iter().enumerate() {

@@ -51,6 +51,12 @@ pub enum Error {
     /// The operation is not available on this device (meta tensors have no data).
     #[error("{0}")]
     Device(String),
+    /// Host memory for a tensor or a copy could not be allocated.
+    #[error("cannot allocate {bytes} bytes of host memory")]
+    AllocationFailed {
+        /// Bytes the allocation asked for.
+        bytes: usize,
+    },
     /// The platform lacks what the operation needs.
     #[error("unsupported: {0}")]
     Unsupported(String),

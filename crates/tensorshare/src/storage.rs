@@ -1,40 +1,45 @@
 //! [`Storage`]: the reference-counted bytes under tensors, private (heap) or shared (a
 //! block of an arena in shared memory).
 
+use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
 use crate::arena::{self, Block};
-use crate::{get_sharing_strategy, Result, SharingStrategy};
+use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
 
 /// Alignment of every storage's first byte.
 pub const ALIGN: usize = 64;
 
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Chunk([u8; ALIGN]);
-
-/// Heap bytes, 64-byte aligned, zeroed at creation.
+/// Heap bytes, 64-byte aligned, a whole number of 64-byte chunks, zeroed at creation.
 struct PrivateBuf {
     ptr: NonNull<u8>,
-    chunks: usize,
+    /// The allocation's layout; size 0 for an empty buffer, which allocates nothing.
+    layout: Layout,
 }
 
 impl PrivateBuf {
-    fn zeroed(len: usize) -> PrivateBuf {
-        let chunks = len.div_ceil(ALIGN);
-        let mut v = std::mem::ManuallyDrop::new(vec![Chunk([0; ALIGN]); chunks]);
-        // A Vec of zero chunks has a dangling, well-aligned pointer: fine for len 0.
-        let ptr = NonNull::new(v.as_mut_ptr().cast::<u8>()).unwrap_or(NonNull::dangling());
-        PrivateBuf { ptr, chunks }
+    fn zeroed(len: usize) -> Result<PrivateBuf> {
+        let too_large = || Error::shape(format!("a storage of {len} bytes is too large to allocate"));
+        let size = len.checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
+        let layout = Layout::from_size_align(size, ALIGN).map_err(|_| too_large())?;
+        if size == 0 {
+            // Nothing to allocate: a dangling, well-aligned pointer is enough for no bytes.
+            return Ok(PrivateBuf { ptr: NonNull::<[u8; ALIGN]>::dangling().cast(), layout });
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(Error::AllocationFailed { bytes: size })?;
+        Ok(PrivateBuf { ptr, layout })
     }
 }
 
 impl Drop for PrivateBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr and chunks come from the Vec made in `zeroed`, whose capacity equals
-        // its length (vec! allocates exactly), and which nobody else frees.
-        unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr().cast::<Chunk>(), self.chunks, self.chunks)) };
+        if self.layout.size() != 0 {
+            // SAFETY: ptr was allocated in `zeroed` with this layout, and nobody else frees it.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
     }
 }
 
@@ -93,15 +98,25 @@ impl std::fmt::Debug for Storage {
 
 impl Storage {
     /// A private, zeroed storage of `len` bytes.
+    ///
+    /// # Panics
+    /// If the memory cannot be allocated (as `vec!`); [`Storage::try_new`] returns an error
+    /// instead.
     pub fn new(len: usize) -> Storage {
-        Storage {
+        Storage::try_new(len).unwrap_or_else(|e| panic!("Storage::new({len}): {e}"))
+    }
+
+    /// A private, zeroed storage of `len` bytes, or an error if that much memory cannot be
+    /// allocated.
+    pub fn try_new(len: usize) -> Result<Storage> {
+        Ok(Storage {
             inner: Arc::new(Inner {
                 len,
-                private: Some(PrivateBuf::zeroed(len)),
+                private: Some(PrivateBuf::zeroed(len)?),
                 shared: OnceLock::new(),
                 cached: Default::default(),
             }),
-        }
+        })
     }
 
     /// A shared storage of `len` bytes under the current strategy, zeroed.
@@ -192,10 +207,10 @@ impl Storage {
             Some(Shared::Block(b)) => b.ptr(),
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => a.ptr as *mut u8,
-            Some(Shared::Empty(_)) => NonNull::<Chunk>::dangling().as_ptr().cast(),
+            Some(Shared::Empty(_)) => NonNull::<[u8; ALIGN]>::dangling().as_ptr().cast(),
             None => match &self.inner.private {
                 Some(p) => p.ptr.as_ptr(),
-                None => NonNull::<Chunk>::dangling().as_ptr().cast(),
+                None => NonNull::<[u8; ALIGN]>::dangling().as_ptr().cast(),
             },
         }
     }

@@ -20,19 +20,21 @@ pub(crate) fn for_each_offset(shape: &[usize], strides: &[usize], base: usize, m
         for i in 0..inner {
             f(start + i * inner_stride);
         }
-        // Advance the outer index like an odometer.
+        // Advance the outer index like an odometer. Only offsets of elements are ever
+        // formed (each is in bounds, see check_bounds), so nothing here overflows, even
+        // with a huge stride on a dimension of size one.
         let mut d = outer.len();
         loop {
             if d == 0 {
                 return;
             }
             d -= 1;
-            idx[d] += 1;
-            start += strides[d];
-            if idx[d] < outer[d] {
+            if idx[d] + 1 < outer[d] {
+                idx[d] += 1;
+                start += strides[d];
                 break;
             }
-            start -= strides[d] * outer[d];
+            start -= strides[d] * idx[d];
             idx[d] = 0;
         }
     }
@@ -232,6 +234,19 @@ mod tests {
         let mut e = Vec::new();
         for_each_offset(&[3, 0], &[1, 1], 0, |o| e.push(o));
         assert!(e.is_empty());
+    }
+
+    #[test]
+    fn offsets_of_a_huge_stride_on_a_dimension_of_size_one_do_not_overflow() {
+        let mut v = Vec::new();
+        for_each_offset(&[1, 3], &[usize::MAX, 1], 1, |o| v.push(o));
+        assert_eq!(v, vec![1, 2, 3]);
+        let t =
+            Tensor::from_storage(crate::Storage::new(16), DType::F32, &[1, 3], &[usize::MAX, 1], 1).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![0.0; 3]);
+        let t =
+            Tensor::from_storage(crate::Storage::new(12), DType::F32, &[3, 1], &[1, usize::MAX], 0).unwrap();
+        assert_eq!(t.to_bytes().unwrap().len(), 12);
     }
 
     #[test]

@@ -1,0 +1,107 @@
+//! What safe code can do with memory that other handles, threads and processes reach too
+//! (issue 12, section 1): sizes that overflow are errors, never panics, aborts or views
+//! outside their memory.
+
+use serde::Serialize;
+use tensorshare::{DType, Device, Error, NestedTensor, SparseTensor, Storage, Tensor, TensorKind};
+
+#[test]
+fn a_shared_storage_of_an_overflowing_size_is_an_error() {
+    assert!(Tensor::empty_shared(&[usize::MAX], DType::U8).is_err());
+    assert!(Tensor::zeros_shared(&[usize::MAX / 2], DType::I16).is_err());
+    assert!(Storage::empty_shared_with(usize::MAX, tensorshare::SharingStrategy::FileDescriptor).is_err());
+    assert!(Storage::empty_shared_with(usize::MAX - 4096, tensorshare::SharingStrategy::FileSystem).is_err());
+}
+
+#[test]
+fn a_view_without_elements_far_outside_its_storage_is_an_error() {
+    let s = Storage::new(64);
+    let e = Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 1 << 62).unwrap_err();
+    assert!(matches!(e, Error::Shape(_)), "{e}");
+    assert!(Tensor::from_storage(s.clone(), DType::F32, &[2, 0], &[1, 1], usize::MAX).is_err());
+    // At the end of the storage is fine, and borrows nothing.
+    let end = Tensor::from_storage(s, DType::F32, &[0], &[1], 16).unwrap();
+    assert!(end.to_vec::<f32>().unwrap().is_empty());
+    assert!(end.as_slice::<f32>().unwrap().is_empty());
+}
+
+fn i64s(v: &[i64]) -> Tensor {
+    Tensor::from_slice(v, &[v.len()]).unwrap()
+}
+
+#[test]
+fn compressed_sparse_sizes_that_overflow_are_errors() {
+    let none = Tensor::zeros(&[0], DType::F32);
+    assert!(SparseTensor::csr(i64s(&[0]), i64s(&[]), none.clone(), &[usize::MAX, 1]).is_err());
+    assert!(SparseTensor::csc(i64s(&[0]), i64s(&[]), none.clone(), &[1, usize::MAX]).is_err());
+    // Valid, and too large to densify.
+    let tall = SparseTensor::csr(i64s(&[0, 0, 0]), i64s(&[]), none, &[2, 1 << 62]).unwrap();
+    assert!(tall.to_dense().is_err());
+}
+
+#[test]
+fn coo_to_dense_of_an_overflowing_size_is_an_error() {
+    let none = |dims: usize| (Tensor::zeros(&[dims, 0], DType::I64), Tensor::zeros(&[0], DType::F32));
+    let (i, v) = none(2);
+    let wide = SparseTensor::coo(i, v, &[1 << 40, 1 << 40]).unwrap();
+    assert!(wide.to_dense().is_err(), "the element count overflows");
+    let (i, v) = none(1);
+    let long = SparseTensor::coo(i, v, &[1 << 61]).unwrap();
+    assert!(long.to_dense().is_err(), "the byte size overflows isize");
+    let (i, _) = none(1);
+    let huge = SparseTensor::coo(i, Tensor::zeros(&[0], DType::U8), &[1 << 60]).unwrap();
+    assert!(matches!(huge.to_dense(), Err(Error::AllocationFailed { .. })), "an exabyte is not there");
+    // An index tensor with absurdly many sparse dims is an error, not an overflow.
+    let absurd = Tensor::zeros(&[usize::MAX, 0], DType::I64);
+    assert!(SparseTensor::coo(absurd, Tensor::zeros(&[0, 2], DType::F32), &[]).is_err());
+}
+
+#[test]
+fn meta_tensors_of_overflowing_shapes_are_errors() {
+    assert!(Tensor::try_meta(&[usize::MAX, 2], DType::U8).is_err());
+    assert!(Tensor::try_meta(&[1 << 62], DType::F64).is_err());
+    assert_eq!(Tensor::try_meta(&[1 << 30, 1 << 30], DType::F32).unwrap().numel(), 1 << 60);
+
+    // The same through the wire: a peer's message with such a shape is refused. This mirrors
+    // the by-value layout of a meta tensor (postcard is not self-describing).
+    #[derive(Serialize)]
+    struct Meta {
+        dtype: DType,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        offset: usize,
+        requires_grad: bool,
+        kind: TensorKind,
+        device: Device,
+    }
+    #[derive(Serialize)]
+    #[allow(dead_code)]
+    enum Repr {
+        Handle { storage: u32, meta: Meta },
+        Value { data: Vec<u8>, meta: Meta },
+        NoData { meta: Meta },
+    }
+    let meta = |shape: Vec<usize>| {
+        let strides = vec![1; shape.len()];
+        let meta = Meta {
+            dtype: DType::F32,
+            shape,
+            strides,
+            offset: 0,
+            requires_grad: false,
+            kind: TensorKind::Tensor,
+            device: Device::Meta,
+        };
+        postcard::to_allocvec(&Repr::NoData { meta }).unwrap()
+    };
+    let fine: Tensor = postcard::from_bytes(&meta(vec![2, 3])).unwrap();
+    assert_eq!((fine.device(), fine.shape()), (Device::Meta, &[2, 3][..]), "the mirror matches");
+    assert!(postcard::from_bytes::<Tensor>(&meta(vec![1 << 32, 1 << 32])).is_err());
+    assert!(postcard::from_bytes::<Tensor>(&meta(vec![1 << 62])).is_err());
+}
+
+#[test]
+fn nested_tensors_whose_total_overflows_are_errors() {
+    let part = Tensor::try_meta(&[1 << 62], DType::U8).unwrap();
+    assert!(NestedTensor::from_tensors(&[part.clone(), part.clone(), part.clone(), part]).is_err());
+}
