@@ -57,6 +57,14 @@ pub enum Error {
         /// Bytes the allocation asked for.
         bytes: usize,
     },
+    /// A safe zero-copy borrow needs a tensor that nothing else can reach, and this one can
+    /// be reached through other handles or processes.
+    #[error(
+        "the tensor's storage can be reached through {0}, so it cannot be borrowed safely; \
+         copy with to_vec/copy_from_slice/fill, or use the unsafe as_slice/as_mut_slice and \
+         uphold their contract"
+    )]
+    NotExclusive(&'static str),
     /// The platform lacks what the operation needs.
     #[error("unsupported: {0}")]
     Unsupported(String),

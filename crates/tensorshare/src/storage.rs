@@ -79,9 +79,19 @@ unsafe impl Sync for Inner {}
 ///
 /// # Aliasing
 /// Like torch, tensorshare lets many handles (clones, views, other processes) reach the
-/// same bytes. Reads and writes from several threads or processes at once must be ordered
-/// by the program (a message on a queue orders everything before `put` before everything
-/// after the matching `get`), or go through the atomic view ([`crate::AtomicView`]).
+/// same bytes. The safe ways to read and write them (a tensor's `to_vec`, `fill`,
+/// `copy_from_slice`, the atomic view [`crate::AtomicView`], [`Storage::to_bytes`]) are
+/// free of data races whatever other handles do at the same time: they copy with atomic
+/// word accesses, so the worst a concurrent writer causes is a mix of old and new values.
+/// Zero-copy borrows of the bytes are `unsafe` (see [`crate::Tensor::as_slice`]). For
+/// meaningful values the program still orders its accesses: a message on a queue orders
+/// everything before `put` before everything after the matching `get`.
+///
+/// # Layout
+/// A host storage's first byte is 64-byte aligned and its memory comes in whole 64-byte
+/// chunks (a private buffer, or an arena slot), so the aligned 8-byte word around any of
+/// its bytes lies in its own allocation or mapping. (A storage received in an arena whose
+/// header a peer forged may be misaligned; tensors refuse to view it.)
 #[derive(Clone)]
 pub struct Storage {
     pub(crate) inner: Arc<Inner>,
@@ -190,9 +200,11 @@ impl Storage {
         }
         let shared = alloc_shared(self.len(), strategy)?;
         if let Shared::Block(b) = &shared {
-            // SAFETY: the private buffer has len bytes; the block has at least len bytes and
-            // is fresh memory no handle points to yet.
-            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), b.ptr(), self.len()) };
+            // SAFETY: the private buffer has len bytes and lives as long as self; the block
+            // has at least len bytes. Both are storage memory (64-byte aligned, whole
+            // chunks). Other handles may write the private bytes meanwhile: the copy is
+            // atomic, word by word.
+            unsafe { crate::atomic_bytes::copy(self.as_ptr(), b.ptr(), self.len()) };
         }
         // Another thread may have shared it meanwhile; then ours is dropped and freed.
         let _ = self.inner.shared.set(shared);
@@ -235,14 +247,21 @@ impl Storage {
         self.try_to_bytes().unwrap_or_else(|e| panic!("Storage::to_bytes: {e}"))
     }
 
-    /// A copy of the bytes; fails only when a device storage cannot be copied.
+    /// A copy of the bytes; fails when a device storage cannot be copied, or when the copy
+    /// cannot be allocated.
     pub fn try_to_bytes(&self) -> Result<Vec<u8>> {
         #[cfg(feature = "cuda")]
         if let Some(Shared::Device(a)) = self.inner.shared.get() {
             return crate::cuda::storage_bytes(a, self.len());
         }
-        // SAFETY: as_ptr points to len initialised host bytes that live as long as self.
-        Ok(unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }.to_vec())
+        let mut out = Vec::new();
+        out.try_reserve_exact(self.len()).map_err(|_| Error::AllocationFailed { bytes: self.len() })?;
+        out.resize(self.len(), 0);
+        // SAFETY: as_ptr points to the len host bytes of this storage (64-byte aligned,
+        // whole chunks), which live as long as self. Other handles may write them meanwhile:
+        // the copy is atomic, word by word.
+        unsafe { crate::atomic_bytes::load(self.as_ptr(), &mut out) };
+        Ok(out)
     }
 
     /// The file name of the named segment holding a file_system storage.

@@ -1,9 +1,99 @@
 //! What safe code can do with memory that other handles, threads and processes reach too
-//! (issue 12, section 1): sizes that overflow are errors, never panics, aborts or views
-//! outside their memory.
+//! (issue 12, section 1): the patterns that used to be undefined behaviour either do not
+//! compile any more (see the `compile_fail` examples on `Tensor::as_slice`,
+//! `Tensor::as_mut_slice` and `Tensor::exclusive_slice_mut`) or behave, and sizes that
+//! overflow are errors, never panics, aborts or views outside their memory.
 
 use serde::Serialize;
-use tensorshare::{DType, Device, Error, NestedTensor, SparseTensor, Storage, Tensor, TensorKind};
+use tensorshare::{wire, DType, Device, Error, NestedTensor, SparseTensor, Storage, Tensor, TensorKind};
+
+fn shared(mut t: Tensor) -> Tensor {
+    t.share_memory().unwrap();
+    t
+}
+
+#[test]
+fn two_threads_incrementing_through_atomic_views_reach_the_exact_total() {
+    let counter = shared(Tensor::zeros(&[2], DType::I64));
+    let clones = [counter.clone(), counter.clone()];
+    std::thread::scope(|s| {
+        for c in &clones {
+            s.spawn(move || {
+                let v = c.atomic::<i64>().unwrap();
+                for _ in 0..100_000 {
+                    v.fetch_add(0, 1);
+                    v.fetch_add(1, 2);
+                }
+            });
+        }
+    });
+    assert_eq!(counter.to_vec::<i64>().unwrap(), vec![200_000, 400_000]);
+}
+
+#[test]
+fn safe_copies_racing_with_writers_see_whole_elements() {
+    const A: i64 = 0x0101_0101_0101_0101;
+    const B: i64 = -0x0202_0202_0202_0203;
+    let t = shared(Tensor::full(&[1024], A));
+    std::thread::scope(|s| {
+        let mut writer = t.clone();
+        s.spawn(move || {
+            let bs = vec![B; 1024];
+            for i in 0..200 {
+                if i % 2 == 0 {
+                    writer.fill(A).unwrap();
+                } else {
+                    writer.copy_from_slice(&bs).unwrap();
+                }
+            }
+        });
+        let reader = t.clone();
+        s.spawn(move || {
+            for _ in 0..200 {
+                let v = reader.to_vec::<i64>().unwrap();
+                assert!(v.iter().all(|x| *x == A || *x == B), "a torn element");
+            }
+        });
+    });
+}
+
+#[test]
+fn a_bool_byte_another_handle_sets_to_200_is_an_error_not_a_bool() {
+    let flags = shared(Tensor::from_vec(vec![true, false, true], &[3]).unwrap());
+    assert_eq!(flags.to_vec::<bool>().unwrap(), vec![true, false, true]);
+    // Another handle of the same storage, with another dtype, as another process could hold.
+    let mut bytes = Tensor::from_storage(flags.storage().clone(), DType::U8, &[3], &[1], 0).unwrap();
+    bytes.copy_from_slice(&[1u8, 200, 0]).unwrap();
+    let e = flags.to_vec::<bool>().unwrap_err();
+    assert!(e.to_string().contains("not valid bool"), "{e}");
+    // The zero-copy borrows check too when they are made. SAFETY: nothing writes the
+    // storage while these borrows would live.
+    assert!(unsafe { flags.as_slice::<bool>() }.is_err());
+    assert!(unsafe { flags.view::<bool>() }.is_err());
+}
+
+#[test]
+fn the_exclusive_borrow_takes_a_fresh_private_tensor_and_refuses_any_other() {
+    let mut fresh = Tensor::zeros(&[3], DType::F32);
+    fresh.exclusive_slice_mut::<f32>().unwrap().copy_from_slice(&[1.0, 2.0, 3.0]);
+    assert_eq!(fresh.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+
+    let not_exclusive =
+        |t: &mut Tensor| matches!(t.exclusive_slice_mut::<f32>(), Err(Error::NotExclusive(_)));
+    let mut a = Tensor::zeros(&[3], DType::F32);
+    let b = a.clone();
+    assert!(not_exclusive(&mut a), "a clone aliases it");
+    drop(b);
+    let mut s = shared(a);
+    assert!(not_exclusive(&mut s), "shared memory is mapped by other processes");
+
+    // A tensor received through a message maps the sender's memory.
+    let msg = wire::encode(&s).unwrap();
+    let fds = msg.fds().iter().map(|fd| fd.try_clone_to_owned().unwrap()).collect();
+    let mut received: Tensor = wire::decode(&msg.to_vec(), fds).unwrap();
+    drop((s, msg));
+    assert!(received.is_shared() && not_exclusive(&mut received));
+}
 
 #[test]
 fn a_shared_storage_of_an_overflowing_size_is_an_error() {
@@ -22,7 +112,8 @@ fn a_view_without_elements_far_outside_its_storage_is_an_error() {
     // At the end of the storage is fine, and borrows nothing.
     let end = Tensor::from_storage(s, DType::F32, &[0], &[1], 16).unwrap();
     assert!(end.to_vec::<f32>().unwrap().is_empty());
-    assert!(end.as_slice::<f32>().unwrap().is_empty());
+    // SAFETY: the slice is empty.
+    assert!(unsafe { end.as_slice::<f32>() }.unwrap().is_empty());
 }
 
 fn i64s(v: &[i64]) -> Tensor {

@@ -4,6 +4,7 @@ mod access;
 #[cfg(feature = "ndarray")]
 mod array;
 mod atomic;
+mod borrow;
 mod view;
 
 pub use atomic::{AtomicElement, AtomicView};
@@ -50,7 +51,7 @@ pub enum TensorKind {
 /// Cloning a tensor is cheap and gives another view of the same storage: writes through one
 /// are seen through the other (torch's aliasing). Views (`narrow`, `select`, `transpose`,
 /// `permute`, `reshape`) share the storage too; in a shared storage they alias it in every
-/// process that holds it.
+/// process that holds it. See the crate docs on what is safe to do with aliased memory.
 ///
 /// Every tensor's number of elements and byte size fit in `isize` (constructors check it),
 /// and every element it addresses lies in its storage.
@@ -230,6 +231,16 @@ impl Tensor {
         offset: usize,
     ) -> Result<Tensor> {
         check_bounds(storage.len(), dtype, shape, strides, offset)?;
+        // Every host storage made here is 64-byte aligned; one received from a peer whose
+        // arena header claims an odd slot size would not be, and element accesses (the
+        // atomic view, zero-copy borrows) rely on elements aligned to their size.
+        if storage.device() == Device::Cpu && storage.as_ptr() as usize % crate::storage::ALIGN != 0 {
+            return Err(Error::invalid(format!(
+                "a storage at {:#x} is not {}-byte aligned",
+                storage.as_ptr() as usize,
+                crate::storage::ALIGN
+            )));
+        }
         let mut t = Tensor::from_parts(storage, dtype, shape.to_vec());
         t.strides = strides.to_vec();
         t.offset = offset;
@@ -313,10 +324,12 @@ impl Tensor {
         if self.device != Device::Cpu || self.storage.is_shared() {
             return Ok(self);
         }
-        if std::sync::Arc::strong_count(&self.storage.inner) == 1 {
+        if std::sync::Arc::get_mut(&mut self.storage.inner).is_some() {
             // No other handle: replace the storage and free the private bytes now.
             let fresh = Storage::empty_shared_with(self.storage.len(), strategy)?;
-            // SAFETY: both storages have len bytes; the new one is not reachable elsewhere.
+            // SAFETY: both storages have len bytes. This tensor holds the only handle of the
+            // old one (no other strong or weak reference) and `&mut self` excludes any other
+            // use of it; the new one is reachable from nowhere else yet.
             unsafe { std::ptr::copy_nonoverlapping(self.storage.as_ptr(), fresh.as_ptr(), fresh.len()) };
             self.storage = fresh;
         } else {
