@@ -217,15 +217,25 @@ mod tests {
 
     #[test]
     fn concurrent_writers_of_neighbouring_bytes_lose_nothing() {
+        /// The buffer's address, to hand to threads.
+        #[derive(Clone, Copy)]
+        struct At(*mut u8);
+        // SAFETY: the threads only access the buffer through this module's atomics.
+        unsafe impl Send for At {}
+        impl At {
+            fn get(self) -> *mut u8 {
+                self.0
+            }
+        }
         let mut b = Buf([0; 64]);
-        let p = b.0.as_mut_ptr() as usize;
+        let p = At(b.0.as_mut_ptr());
         std::thread::scope(|s| {
             for i in 0..8usize {
                 s.spawn(move || {
                     for v in 0..=255u8 {
                         // SAFETY: byte i of the buffer, which outlives the scope; every
                         // access to it meanwhile is one of this module's atomics.
-                        unsafe { store((p as *mut u8).add(i), &[v]) };
+                        unsafe { store(p.get().add(i), &[v]) };
                     }
                 });
             }
