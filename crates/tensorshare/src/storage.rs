@@ -11,6 +11,16 @@ use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
 /// Alignment of every storage's first byte.
 pub const ALIGN: usize = 64;
 
+/// A type with the storages' alignment: its dangling pointer is where empty storages point.
+#[repr(C, align(64))]
+struct Chunk([u8; ALIGN]);
+
+/// The address of every empty storage: never read or written, but aligned like any other
+/// storage, so that empty slices and views of any element type may start there.
+fn dangling() -> NonNull<u8> {
+    NonNull::<Chunk>::dangling().cast()
+}
+
 /// Heap bytes, 64-byte aligned, a whole number of 64-byte chunks, zeroed at creation.
 struct PrivateBuf {
     ptr: NonNull<u8>,
@@ -25,7 +35,7 @@ impl PrivateBuf {
         let layout = Layout::from_size_align(size, ALIGN).map_err(|_| too_large())?;
         if size == 0 {
             // Nothing to allocate: a dangling, well-aligned pointer is enough for no bytes.
-            return Ok(PrivateBuf { ptr: NonNull::<[u8; ALIGN]>::dangling().cast(), layout });
+            return Ok(PrivateBuf { ptr: dangling(), layout });
         }
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -219,10 +229,10 @@ impl Storage {
             Some(Shared::Block(b)) => b.ptr(),
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => a.ptr as *mut u8,
-            Some(Shared::Empty(_)) => NonNull::<[u8; ALIGN]>::dangling().as_ptr().cast(),
+            Some(Shared::Empty(_)) => dangling().as_ptr(),
             None => match &self.inner.private {
                 Some(p) => p.ptr.as_ptr(),
-                None => NonNull::<[u8; ALIGN]>::dangling().as_ptr().cast(),
+                None => dangling().as_ptr(),
             },
         }
     }
@@ -315,8 +325,10 @@ mod tests {
 
     #[test]
     fn empty_storage_is_valid_under_both_strategies() {
+        assert_eq!(Storage::new(0).as_ptr() as usize % ALIGN, 0, "aligned like any storage");
         for st in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
             let s = Storage::empty_shared_with(0, st).unwrap();
+            assert_eq!(s.as_ptr() as usize % ALIGN, 0, "aligned like any storage");
             assert!(s.is_shared());
             assert_eq!(s.sharing_strategy(), Some(st));
             assert!(s.to_bytes().is_empty());

@@ -131,6 +131,13 @@ mod tests {
     }
 
     #[test]
+    fn views_of_empty_tensors_are_empty() {
+        let e = Tensor::zeros(&[0, 3], DType::F64);
+        // SAFETY: nothing writes the (empty) storage while the view lives.
+        assert_eq!(unsafe { e.view::<f64>() }.unwrap().len(), 0);
+    }
+
+    #[test]
     fn views_check_bools() {
         let mut bytes = Tensor::from_vec(vec![0u8, 1, 200], &[3]).unwrap();
         bytes.share_memory().unwrap();
