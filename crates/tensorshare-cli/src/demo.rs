@@ -52,14 +52,15 @@ fn make_batch(o: &Options, index: u64, rank: usize, shared: bool) -> tensorshare
     let mut images =
         if shared { Tensor::empty_shared(&shape, DType::U8)? } else { Tensor::zeros(&shape, DType::U8) };
     let per = 3 * s * s;
-    for (i, img) in images.as_mut_slice::<u8>()?.chunks_mut(per).enumerate() {
+    // Written in place, where the consumer will read it. SAFETY: the tensor is fresh and
+    // not sent yet: this is its only handle, in any process, until it is put on the queue.
+    for (i, img) in unsafe { images.as_mut_slice::<u8>()? }.chunks_mut(per).enumerate() {
         img.fill(pixel(index, i));
     }
     let mut labels =
         if shared { Tensor::empty_shared(&[b], DType::F32)? } else { Tensor::zeros(&[b], DType::F32) };
-    for (i, l) in labels.as_mut_slice::<f32>()?.iter_mut().enumerate() {
-        *l = (index as usize * b + i) as f32;
-    }
+    let values: Vec<f32> = (0..b).map(|i| (index as usize * b + i) as f32).collect();
+    labels.copy_from_slice(&values)?;
     Ok(Batch {
         index,
         images,
@@ -74,14 +75,17 @@ fn make_batch(o: &Options, index: u64, rank: usize, shared: bool) -> tensorshare
 /// Checks every byte and label of a batch.
 fn check(o: &Options, batch: &Batch) -> Result<(), String> {
     let per = 3 * o.side * o.side;
-    let images = batch.images.as_slice::<u8>().map_err(|e| e.to_string())?;
+    // Read in place, without a copy. SAFETY: the producer wrote the batch before `put` (the
+    // queue orders that before our `get`) and kept no handle to it; nothing writes it while
+    // it is checked.
+    let images = unsafe { batch.images.as_slice::<u8>() }.map_err(|e| e.to_string())?;
     for (i, img) in images.chunks(per).enumerate() {
         let want = pixel(batch.index, i);
         if !img.iter().all(|p| *p == want) {
             return Err(format!("batch {} sample {i}: wrong pixels", batch.index));
         }
     }
-    let labels = batch.labels.as_slice::<f32>().map_err(|e| e.to_string())?;
+    let labels = batch.labels.to_vec::<f32>().map_err(|e| e.to_string())?;
     for (i, l) in labels.iter().enumerate() {
         if *l != (batch.index as usize * o.batch_size + i) as f32 {
             return Err(format!("batch {} label {i}: {l}", batch.index));

@@ -18,7 +18,7 @@ fn main() -> tensorshare::Result<()> {
         .collect::<tensorshare::Result<_>>()?;
     let sums = pool.map(
         |mut t: Tensor| {
-            let s: f32 = t.as_slice::<f32>().unwrap().iter().sum();
+            let s: f32 = t.to_vec::<f32>().unwrap().iter().sum();
             t.fill(-1.0f32).unwrap(); // in place, in the parent's memory
             s
         },

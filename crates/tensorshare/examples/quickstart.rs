@@ -14,7 +14,7 @@ fn main() -> tensorshare::Result<()> {
     let mut ctx = spawn(
         |_rank: usize, q: Queue<(Tensor, Tensor)>| {
             let (mut x, _col) = q.get().unwrap();
-            x.as_mut_slice::<f32>().unwrap().fill(4.0); // the parent sees this
+            x.fill(4.0f32).unwrap(); // the parent sees this
         },
         q.clone(),
         1,

@@ -51,6 +51,20 @@ pub enum Error {
     /// The operation is not available on this device (meta tensors have no data).
     #[error("{0}")]
     Device(String),
+    /// Host memory for a tensor or a copy could not be allocated.
+    #[error("cannot allocate {bytes} bytes of host memory")]
+    AllocationFailed {
+        /// Bytes the allocation asked for.
+        bytes: usize,
+    },
+    /// A safe zero-copy borrow needs a tensor that nothing else can reach, and this one can
+    /// be reached through other handles or processes.
+    #[error(
+        "the tensor's storage can be reached through {0}, so it cannot be borrowed safely; \
+         copy with to_vec/copy_from_slice/fill, or use the unsafe as_slice/as_mut_slice and \
+         uphold their contract"
+    )]
+    NotExclusive(&'static str),
     /// The platform lacks what the operation needs.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -19,15 +19,29 @@
 //! # }
 //! ```
 //!
-//! # Aliasing
+//! # Aliasing and what is safe
 //! Clones and views of a tensor reach the same bytes, in this process and in every process
-//! the tensor was sent to. As in torch, the program orders concurrent access (a message on
-//! a queue orders what came before `put` before what comes after `get`), or updates through
-//! the lock-free [`AtomicView`].
+//! the tensor was sent to. No safe function can reach undefined behaviour whatever those
+//! other handles do at the same time:
+//! - copies in and out ([`Tensor::to_vec`], [`Tensor::to_bytes`], [`Tensor::fill`],
+//!   [`Tensor::copy_from_slice`], [`Tensor::copy_into`]) and the lock-free [`AtomicView`]
+//!   are safe: they access the memory with atomic word operations, so a concurrent writer
+//!   causes a mix of old and new values at worst, and every value read is checked to be
+//!   valid for its type (`bool`);
+//! - zero-copy borrows ([`Tensor::as_slice`], [`Tensor::as_mut_slice`], `view`, `view_mut`)
+//!   are `unsafe fn`s: the caller promises that nothing else writes (or, for the `mut`
+//!   ones, accesses) the elements while the borrow lives;
+//! - [`Tensor::exclusive_slice_mut`] (and `exclusive_view_mut`) borrow without a copy and
+//!   without `unsafe` where nothing else can reach the bytes: a private storage whose only
+//!   handle is this tensor.
+//!
+//! As in torch, the program orders accesses for meaningful values: a message on a queue
+//! orders what came before `put` before what comes after `get`.
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod arena;
+mod atomic_bytes;
 pub mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -44,7 +58,7 @@ mod thread;
 mod util;
 mod wire;
 
-pub use channel::{pipe, Connection, Queue, SimpleQueue};
+pub use channel::{pipe, Connection, Queue, SendError, SimpleQueue};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use nested::NestedTensor;

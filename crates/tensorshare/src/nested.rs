@@ -33,8 +33,11 @@ impl NestedTensor {
                 )));
             }
         }
-        let total: usize = tensors.iter().map(Tensor::numel).sum();
-        let buffer = Tensor::zeros(&[total], first.dtype());
+        let total = tensors
+            .iter()
+            .try_fold(0usize, |acc, t| acc.checked_add(t.numel()))
+            .ok_or_else(|| Error::shape("the components of a nested tensor have too many elements in all"))?;
+        let buffer = Tensor::try_zeros(&[total], first.dtype())?;
         let mut offsets = Vec::with_capacity(tensors.len());
         let mut at = 0;
         for t in tensors {

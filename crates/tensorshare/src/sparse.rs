@@ -60,7 +60,11 @@ impl SparseTensor {
                 values.shape()
             )));
         }
-        if sparse_dims + values.ndim() - 1 != size.len() || values.shape()[1..] != size[sparse_dims..] {
+        // values.ndim() >= 1 (checked above); an absurd sparse_dims (an index tensor of shape
+        // [huge, 0]) must not overflow.
+        if sparse_dims.checked_add(values.ndim() - 1) != Some(size.len())
+            || values.shape()[1..] != size[sparse_dims..]
+        {
             return Err(Error::shape(format!(
                 "COO size {size:?} does not match {sparse_dims} sparse dims and values of shape {:?}",
                 values.shape()
@@ -173,10 +177,14 @@ impl SparseTensor {
         let (rows, cols) = (size[0] / block_rows, size[1] / block_cols);
         let by_rows = matches!(layout, SparseLayout::Csr | SparseLayout::Bsr);
         let (outer, inner) = if by_rows { (rows, cols) } else { (cols, rows) };
-        if compressed.ndim() != 1 || compressed.shape()[0] != outer + 1 {
+        let Some(n_compressed) = outer.checked_add(1) else {
             return Err(Error::shape(format!(
-                "{layout:?} compressed indices must have shape [{}], got {:?}",
-                outer + 1,
+                "a {layout:?} tensor of size {size:?} has too many rows or columns"
+            )));
+        };
+        if compressed.ndim() != 1 || compressed.shape()[0] != n_compressed {
+            return Err(Error::shape(format!(
+                "{layout:?} compressed indices must have shape [{n_compressed}], got {:?}",
                 compressed.shape()
             )));
         }
@@ -258,17 +266,20 @@ impl SparseTensor {
     }
 
     /// The dense tensor. A COO tensor with repeated coordinates is an error (torch would
-    /// sum them).
+    /// sum them), and so is a size too large to allocate.
     pub fn to_dense(&self) -> Result<Tensor> {
         let dtype = self.values.dtype();
         let esize = dtype.size();
-        let dense = Tensor::zeros(&self.size, dtype);
+        // Checks that the dense size's element count and byte size fit, so the dense
+        // offsets computed below (of in-range indices) fit too.
+        let dense = Tensor::try_zeros(&self.size, dtype)?;
         let dstrides = contiguous_strides(&self.size);
         let vals = self.values.to_bytes()?;
         let out = dense.storage().as_ptr();
         let put = |dense_elem: usize, value_elem: usize, n: usize| {
             // SAFETY: dense_elem..+n indexes the fresh dense tensor (indices were range-checked
-            // at construction), value_elem..+n indexes `vals` (numel of values).
+            // just below), value_elem..+n indexes `vals` (numel of values). The dense tensor
+            // is private and no handle of it but `dense` exists yet: nothing else touches it.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     vals.as_ptr().add(value_elem * esize),
@@ -388,7 +399,7 @@ mod shared_index_tests {
         let vals = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
         let s = SparseTensor::coo(idx.clone(), vals, &[2]).unwrap();
         // Another holder of the shared index tensor writes an index out of range.
-        idx.as_mut_slice::<i64>().unwrap()[1] = 1 << 40;
+        idx.narrow(1, 1, 1).unwrap().fill(1i64 << 40).unwrap();
         let err = s.to_dense().unwrap_err();
         assert!(err.to_string().contains("outside"), "{err}");
     }

@@ -1,40 +1,55 @@
 //! [`Storage`]: the reference-counted bytes under tensors, private (heap) or shared (a
 //! block of an arena in shared memory).
 
+use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
 use crate::arena::{self, Slot};
-use crate::{get_sharing_strategy, Result, SharingStrategy};
+use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
 
 /// Alignment of every storage's first byte.
 pub const ALIGN: usize = 64;
 
+/// A type with the storages' alignment: its dangling pointer is where empty storages point.
 #[repr(C, align(64))]
-#[derive(Clone, Copy)]
 struct Chunk([u8; ALIGN]);
 
-/// Heap bytes, 64-byte aligned, zeroed at creation.
+/// The address of every empty storage: never read or written, but aligned like any other
+/// storage, so that empty slices and views of any element type may start there.
+fn dangling() -> NonNull<u8> {
+    NonNull::<Chunk>::dangling().cast()
+}
+
+/// Heap bytes, 64-byte aligned, a whole number of 64-byte chunks, zeroed at creation.
 struct PrivateBuf {
     ptr: NonNull<u8>,
-    chunks: usize,
+    /// The allocation's layout; size 0 for an empty buffer, which allocates nothing.
+    layout: Layout,
 }
 
 impl PrivateBuf {
-    fn zeroed(len: usize) -> PrivateBuf {
-        let chunks = len.div_ceil(ALIGN);
-        let mut v = std::mem::ManuallyDrop::new(vec![Chunk([0; ALIGN]); chunks]);
-        // A Vec of zero chunks has a dangling, well-aligned pointer: fine for len 0.
-        let ptr = NonNull::new(v.as_mut_ptr().cast::<u8>()).unwrap_or(NonNull::dangling());
-        PrivateBuf { ptr, chunks }
+    fn zeroed(len: usize) -> Result<PrivateBuf> {
+        let too_large = || Error::shape(format!("a storage of {len} bytes is too large to allocate"));
+        let size = len.checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
+        let layout = Layout::from_size_align(size, ALIGN).map_err(|_| too_large())?;
+        if size == 0 {
+            // Nothing to allocate: a dangling, well-aligned pointer is enough for no bytes.
+            return Ok(PrivateBuf { ptr: dangling(), layout });
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(Error::AllocationFailed { bytes: size })?;
+        Ok(PrivateBuf { ptr, layout })
     }
 }
 
 impl Drop for PrivateBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr and chunks come from the Vec made in `zeroed`, whose capacity equals
-        // its length (vec! allocates exactly), and which nobody else frees.
-        unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr().cast::<Chunk>(), self.chunks, self.chunks)) };
+        if self.layout.size() != 0 {
+            // SAFETY: ptr was allocated in `zeroed` with this layout, and nobody else frees it.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
     }
 }
 
@@ -74,9 +89,19 @@ unsafe impl Sync for Inner {}
 ///
 /// # Aliasing
 /// Like torch, tensorshare lets many handles (clones, views, other processes) reach the
-/// same bytes. Reads and writes from several threads or processes at once must be ordered
-/// by the program (a message on a queue orders everything before `put` before everything
-/// after the matching `get`), or go through the atomic view ([`crate::AtomicView`]).
+/// same bytes. The safe ways to read and write them (a tensor's `to_vec`, `fill`,
+/// `copy_from_slice`, the atomic view [`crate::AtomicView`], [`Storage::to_bytes`]) are
+/// free of data races whatever other handles do at the same time: they copy with atomic
+/// word accesses, so the worst a concurrent writer causes is a mix of old and new values.
+/// Zero-copy borrows of the bytes are `unsafe` (see [`crate::Tensor::as_slice`]). For
+/// meaningful values the program still orders its accesses: a message on a queue orders
+/// everything before `put` before everything after the matching `get`.
+///
+/// # Layout
+/// A host storage's first byte is 64-byte aligned and its memory comes in whole 64-byte
+/// chunks (a private buffer, or an arena slot), so the aligned 8-byte word around any of
+/// its bytes lies in its own allocation or mapping. (A storage received in an arena whose
+/// header a peer forged may be misaligned; tensors refuse to view it.)
 #[derive(Clone)]
 pub struct Storage {
     pub(crate) inner: Arc<Inner>,
@@ -93,15 +118,25 @@ impl std::fmt::Debug for Storage {
 
 impl Storage {
     /// A private, zeroed storage of `len` bytes.
+    ///
+    /// # Panics
+    /// If the memory cannot be allocated (as `vec!`); [`Storage::try_new`] returns an error
+    /// instead.
     pub fn new(len: usize) -> Storage {
-        Storage {
+        Storage::try_new(len).unwrap_or_else(|e| panic!("Storage::new({len}): {e}"))
+    }
+
+    /// A private, zeroed storage of `len` bytes, or an error if that much memory cannot be
+    /// allocated.
+    pub fn try_new(len: usize) -> Result<Storage> {
+        Ok(Storage {
             inner: Arc::new(Inner {
                 len,
-                private: Some(PrivateBuf::zeroed(len)),
+                private: Some(PrivateBuf::zeroed(len)?),
                 shared: OnceLock::new(),
                 cached: Default::default(),
             }),
-        }
+        })
     }
 
     /// A shared storage of `len` bytes under the current strategy, zeroed.
@@ -175,9 +210,11 @@ impl Storage {
         }
         let shared = alloc_shared(self.len(), strategy)?;
         if let Shared::Slot(b) = &shared {
-            // SAFETY: the private buffer has len bytes; the block has at least len bytes and
-            // is fresh memory no handle points to yet.
-            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), b.as_mut_ptr(), self.len()) };
+            // SAFETY: the private buffer has len bytes and lives as long as self; the block
+            // has at least len bytes. Both are storage memory (64-byte aligned, whole
+            // chunks). Other handles may write the private bytes meanwhile: the copy is
+            // atomic, word by word.
+            unsafe { crate::atomic_bytes::copy(self.as_ptr(), b.as_mut_ptr(), self.len()) };
         }
         // Another thread may have shared it meanwhile; then ours is dropped and freed.
         let _ = self.inner.shared.set(shared);
@@ -192,10 +229,10 @@ impl Storage {
             Some(Shared::Slot(b)) => b.as_mut_ptr(),
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => a.ptr as *mut u8,
-            Some(Shared::Empty(_)) => NonNull::<Chunk>::dangling().as_ptr().cast(),
+            Some(Shared::Empty(_)) => dangling().as_ptr(),
             None => match &self.inner.private {
                 Some(p) => p.ptr.as_ptr(),
-                None => NonNull::<Chunk>::dangling().as_ptr().cast(),
+                None => dangling().as_ptr(),
             },
         }
     }
@@ -220,14 +257,21 @@ impl Storage {
         self.try_to_bytes().unwrap_or_else(|e| panic!("Storage::to_bytes: {e}"))
     }
 
-    /// A copy of the bytes; fails only when a device storage cannot be copied.
+    /// A copy of the bytes; fails when a device storage cannot be copied, or when the copy
+    /// cannot be allocated.
     pub fn try_to_bytes(&self) -> Result<Vec<u8>> {
         #[cfg(feature = "cuda")]
         if let Some(Shared::Device(a)) = self.inner.shared.get() {
             return crate::cuda::storage_bytes(a, self.len());
         }
-        // SAFETY: as_ptr points to len initialised host bytes that live as long as self.
-        Ok(unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }.to_vec())
+        let mut out = Vec::new();
+        out.try_reserve_exact(self.len()).map_err(|_| Error::AllocationFailed { bytes: self.len() })?;
+        out.resize(self.len(), 0);
+        // SAFETY: as_ptr points to the len host bytes of this storage (64-byte aligned,
+        // whole chunks), which live as long as self. Other handles may write them meanwhile:
+        // the copy is atomic, word by word.
+        unsafe { crate::atomic_bytes::load(self.as_ptr(), &mut out) };
+        Ok(out)
     }
 
     /// The file name of the named segment holding a file_system storage.
@@ -281,8 +325,10 @@ mod tests {
 
     #[test]
     fn empty_storage_is_valid_under_both_strategies() {
+        assert_eq!(Storage::new(0).as_ptr() as usize % ALIGN, 0, "aligned like any storage");
         for st in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
             let s = Storage::empty_shared_with(0, st).unwrap();
+            assert_eq!(s.as_ptr() as usize % ALIGN, 0, "aligned like any storage");
             assert!(s.is_shared());
             assert_eq!(s.sharing_strategy(), Some(st));
             assert!(s.to_bytes().is_empty());

@@ -64,8 +64,13 @@ fn capacity_bounds_put_and_timeouts_are_errors() {
     q.put(1).unwrap();
     q.put(2).unwrap();
     let other = q.clone(); // another handle that could take: put waits, then times out
-    assert!(matches!(q.put_timeout(3, Duration::from_millis(50)), Err(Error::Timeout)));
-    assert!(matches!(q.try_put(3), Err(Error::Timeout)));
+                           // A failed put gives the value back.
+    let e = q.put_timeout(3, Duration::from_millis(50)).unwrap_err();
+    assert!(e.is_timeout() && matches!(e.error(), Error::Timeout));
+    assert_eq!(e.into_inner(), 3);
+    let e = q.try_put(4).unwrap_err();
+    assert!(e.is_timeout());
+    assert_eq!(e.into_inner(), 4);
     assert_eq!(other.get().unwrap(), 1);
     q.put(3).unwrap();
     assert_eq!(q.get().unwrap(), 2);
@@ -111,7 +116,7 @@ fn many_producer_threads_messages_never_interleave() {
 #[test]
 fn pipe_hang_up_is_disconnected() {
     let (a, b) = pipe::<(String, Tensor)>().unwrap();
-    a.send(&("x".into(), Tensor::ones(&[2], DType::F64))).unwrap();
+    a.send(("x".into(), Tensor::ones(&[2], DType::F64))).unwrap();
     let (s, t) = b.recv().unwrap();
     assert_eq!(s, "x");
     assert_eq!(t.to_vec::<f64>().unwrap(), vec![1.0, 1.0]);

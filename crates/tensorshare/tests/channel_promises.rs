@@ -7,6 +7,29 @@ use tensorshare::{spawn, DType, Error, Queue, Tensor};
 
 tensorshare::enable_test_workers!();
 
+/// A put or a send that fails gives the value back: a tensor that could not be sent is not
+/// lost. A queue whose consumers are all gone answers `Disconnected` once it is full.
+#[test]
+fn a_failed_put_or_send_gives_the_value_back() {
+    let q: Queue<Tensor> = Queue::with_capacity(1).unwrap();
+    let consumer = q.clone(); // someone who could make room, so waiting is a timeout
+    q.put(Tensor::full(&[4], 1.0f32)).unwrap();
+    let e = q.put_timeout(Tensor::full(&[4], 7.0f32), Duration::from_millis(10)).unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert_eq!(e.into_inner().to_vec::<f32>().unwrap(), vec![7.0; 4]);
+    drop(consumer);
+    let e = q.put_timeout(Tensor::full(&[4], 8.0f32), Duration::from_millis(10)).unwrap_err();
+    assert!(e.is_disconnected(), "full, and no other handle to take from it: {e}");
+    assert_eq!(e.into_inner().to_vec::<f32>().unwrap(), vec![8.0; 4]);
+    let (a, b) = tensorshare::pipe::<Tensor>().unwrap();
+    drop(b);
+    let e = a.send(Tensor::full(&[2], 3.0f32)).unwrap_err();
+    assert!(e.is_disconnected(), "{e}");
+    let (v, err) = e.into_parts();
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![3.0; 2]);
+    assert!(matches!(err, Error::Disconnected));
+}
+
 /// A queue travelling inside a message counts as held: the parent drops every handle but
 /// its own and waits in `get` while the worker's arguments (a 64 MiB tensor and the queue)
 /// are still on their way; the worker's value arrives instead of `Disconnected`.
@@ -31,7 +54,7 @@ fn try_put_on_a_queue_with_room_is_no_timeout() {
     q.put_timeout(2, Duration::ZERO).unwrap();
     let b: Queue<u32> = Queue::with_capacity(1).unwrap();
     b.try_put(3).unwrap();
-    assert!(matches!(b.try_put(4), Err(Error::Timeout)));
+    assert_eq!(b.try_put(4).unwrap_err().into_inner(), 4, "a full queue gives the value back");
     assert_eq!((q.get().unwrap(), q.get().unwrap(), b.get().unwrap()), (1, 2, 3));
 }
 
@@ -72,7 +95,7 @@ fn put_on_an_unbounded_queue_never_waits_for_a_consumer() {
             for i in 0..N {
                 assert_eq!(q.get().unwrap(), i, "in order");
             }
-            done.send(&N).unwrap();
+            done.send(N).unwrap();
         },
         (q.clone(), done),
         1,

@@ -73,10 +73,10 @@ fn a_replayed_message_cannot_free_a_slot_its_receiver_holds() {
                 drop(again);
             }
             drop((bytes, fds));
-            wait.send(&1).unwrap();
+            wait.send(1).unwrap();
             assert_eq!(wait.recv().unwrap(), 2);
             assert!(kept.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0), "the held slot was reused");
-            wait.send(&3).unwrap();
+            wait.send(3).unwrap();
         },
         (theirs, wait),
         1,
@@ -85,7 +85,7 @@ fn a_replayed_message_cannot_free_a_slot_its_receiver_holds() {
     let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
     t.fill(1.0f32).unwrap();
     let (bytes, fds) = raw::encode(&t).unwrap();
-    ours.send(&(bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+    ours.send((bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
     assert_eq!(go.recv().unwrap(), 1);
     drop(t);
     // 4 KiB slots, 2048 to an arena: every slot comes around twice.
@@ -96,7 +96,7 @@ fn a_replayed_message_cannot_free_a_slot_its_receiver_holds() {
             x
         })
         .collect();
-    go.send(&2).unwrap();
+    go.send(2).unwrap();
     assert_eq!(go.recv().unwrap(), 3);
     assert_eq!(ctx.join(None), Ok(true));
     drop(others);
@@ -178,7 +178,7 @@ fn a_receiver_cannot_truncate_what_it_was_sent() {
                     refused.push("seal".to_string());
                 }
             }
-            done.send(&refused).unwrap();
+            done.send(refused).unwrap();
         },
         (theirs, wait),
         1,
@@ -186,7 +186,7 @@ fn a_receiver_cannot_truncate_what_it_was_sent() {
     .unwrap();
     let mut t = Tensor::empty_shared(&[1 << 20], DType::F32).unwrap();
     t.fill(3.0f32).unwrap();
-    ours.send(&t).unwrap();
+    ours.send(t.clone()).unwrap();
     let refused = done.recv().unwrap();
     assert_eq!(refused, ["shrink", "grow", "seal"]);
     assert_eq!(ctx.join(None), Ok(true));
@@ -207,14 +207,15 @@ fn victim(_rank: usize, (c, out): (Connection<Tensor>, Queue<Result<f32, String>
 }
 
 /// Runs a victim, lets `attack` write records to its connection, and returns what the
-/// victim made of each of them. The victim must survive every one.
-fn against_victim(attack: impl FnOnce(BorrowedFd<'_>) -> usize) -> Vec<Result<f32, String>> {
+/// victim made of each of them. The victim must survive every one. What the attack returns
+/// besides the count stays open until the victim has answered.
+fn against_victim<K>(attack: impl FnOnce(BorrowedFd<'_>) -> (usize, K)) -> Vec<Result<f32, String>> {
     let (ours, theirs) = pipe::<Tensor>().unwrap();
     let out: Queue<Result<f32, String>> = Queue::new().unwrap();
     let mut ctx = spawn(victim, (theirs, out.clone()), 1).unwrap();
-    let n = attack(ours.as_fd());
+    let (n, keep) = attack(ours.as_fd());
     let got = (0..n).map(|_| out.get().unwrap()).collect();
-    drop(ours);
+    drop((ours, keep));
     assert_eq!(ctx.join(None), Ok(true), "the victim survived");
     got
 }
@@ -257,7 +258,7 @@ fn an_unsealed_memfd_or_a_disk_file_is_not_an_arena() {
         std::fs::remove_dir_all(&dir).unwrap();
         send_raw(sock, &record(&bytes), &[file.as_fd()]);
         honest(sock);
-        3
+        (3, ())
     });
     assert!(matches!(&got[0], Err(e) if e.contains("not a memfd") || e.contains("not sealed")), "{got:?}");
     assert!(matches!(&got[1], Err(e) if e.contains("not a memfd")), "{got:?}");
@@ -288,7 +289,7 @@ fn oversized_spill_claims_are_refused_before_anything_is_read() {
         let head = [&[1u8][..], &(bytes.len() as u64).to_le_bytes()].concat();
         send_raw(sock, &head, &[fds[0].as_fd(), spill.as_fd()]);
         honest(sock);
-        3
+        (3, ())
     });
     assert!(matches!(&got[0], Err(e) if e.contains("over this process's limit")), "{got:?}");
     assert!(matches!(&got[1], Err(e) if e.contains("not sealed")), "{got:?}");
@@ -311,8 +312,7 @@ fn a_live_socket_passed_as_a_side_table_is_refused() {
         let head = [&[2u8][..], &1u32.to_le_bytes(), &[0, 0, 0, 0]].concat();
         send_raw(sock, &head, &[r.as_fd()]);
         honest(sock);
-        drop(w);
-        2
+        (2, w) // the writer stays open until the victim has answered
     });
     assert!(matches!(&got[0], Err(e) if e.contains("still open for writing")), "{got:?}");
     assert_eq!(got[1], Ok(1024.0));
@@ -323,7 +323,7 @@ fn an_empty_record_is_not_a_hang_up() {
     let got = against_victim(|sock| {
         send_raw(sock, &[], &[]);
         honest(sock);
-        2
+        (2, ())
     });
     assert!(matches!(&got[0], Err(e) if e.contains("empty record")), "{got:?}");
     assert_eq!(got[1], Ok(1024.0));
@@ -359,7 +359,7 @@ fn an_arena_is_reached_only_through_its_descriptor() {
     .unwrap();
     let t = Tensor::full(&[1024], 666.0f32);
     let (bytes, fds) = raw::encode(&t).unwrap();
-    ours.send(&(bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+    ours.send((bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
     assert!(back.get().unwrap(), "the peer's message reached the victim's memory");
     assert_eq!(ctx.join(None), Ok(true));
 }
@@ -375,7 +375,7 @@ fn named_truncation(_: ()) {
     let (go, wait) = pipe::<u32>().unwrap();
     let mut ctx = spawn(
         |_rank, (t, wait): (Tensor, Connection<u32>)| {
-            wait.send(&0).unwrap(); // mapped
+            wait.send(0).unwrap(); // mapped
             wait.recv().unwrap();
             let _ = t.to_vec::<f32>(); // touches the pages that are gone
         },
@@ -386,7 +386,7 @@ fn named_truncation(_: ()) {
     assert_eq!(go.recv().unwrap(), 0);
     let path = tensorshare::shm::shm_dir().join(&name);
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
-    go.send(&1).unwrap();
+    go.send(1).unwrap();
     let err = ctx.join(None).unwrap_err();
     assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
     drop(t); // unmapping touches nothing

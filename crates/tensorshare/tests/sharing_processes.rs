@@ -62,7 +62,7 @@ fn test_sharing(s: SharingStrategy) {
     let mut ctx = spawn(
         |_rank, q: Queue<(Tensor, Tensor)>| {
             let (mut x, mut col) = q.get().unwrap();
-            x.as_mut_slice::<f32>().unwrap().fill(4.0);
+            x.fill(4.0f32).unwrap();
             col.fill(4.0f32).unwrap();
         },
         q.clone(),
@@ -174,11 +174,11 @@ fn autograd_sharing(var: Tensor, requires_grad: bool) {
     q.put(var.clone()).unwrap();
     let mut ctx = spawn(
         |_rank, (q, requires_grad): (Queue<Tensor>, bool)| {
-            let mut v = q.get().unwrap();
+            let v = q.get().unwrap();
             assert_eq!(v.requires_grad(), requires_grad);
             let expected: Vec<f32> = (1..=25).map(|v| v as f32).collect();
             assert_eq!(v.to_vec::<f32>().unwrap(), expected);
-            v.as_mut_slice::<f32>().unwrap()[0] = -1.0;
+            v.atomic::<f32>().unwrap().store(0, -1.0);
         },
         (q.clone(), requires_grad),
         1,
@@ -327,7 +327,7 @@ fn descriptor_counts_stay_flat() {
             let mut after_warmup = 0;
             for i in 0..N {
                 let t = q.get().unwrap();
-                assert_eq!(t.as_slice::<i32>().unwrap()[0], i as i32);
+                assert_eq!(t.to_vec::<i32>().unwrap()[0], i as i32);
                 if i == 1000 {
                     after_warmup = open_fds();
                 }
@@ -397,7 +397,7 @@ fn queues_and_pipes_travel_inside_messages() {
         |_rank, inbox: Queue<Reply>| {
             let (answers, conn) = inbox.get().unwrap();
             answers.put("hello through a queue".into()).unwrap();
-            conn.send(&42).unwrap();
+            conn.send(42).unwrap();
         },
         inbox.clone(),
         1,
@@ -465,9 +465,9 @@ fn sum_firsts(_rank: usize, (q, out): (Queue<Vec<Tensor>>, Queue<(usize, f64)>))
     let tensors = q.get().unwrap();
     let mut sum = 0.0;
     for t in &tensors {
-        let v = t.as_slice::<f32>().unwrap();
-        assert_eq!(v[0], v[v.len() - 1], "both ends of a tensor hold its index");
-        sum += v[0] as f64;
+        let v = t.atomic::<f32>().unwrap();
+        assert_eq!(v.load(0), v.load(v.len() - 1), "both ends of a tensor hold its index");
+        sum += v.load(0) as f64;
     }
     out.put((tensors.len(), sum)).unwrap();
 }
@@ -487,10 +487,10 @@ fn more_segments_than_one_record() {
     let mut ctx = spawn(sum_firsts, (q.clone(), out.clone()), 1).unwrap();
     let tensors: Vec<Tensor> = (0..N)
         .map(|i| {
-            let mut t = Tensor::empty_shared(&[(1 << 20) + 1], DType::F32).unwrap();
-            let v = t.as_mut_slice::<f32>().unwrap();
-            let last = v.len() - 1;
-            (v[0], v[last]) = (i as f32, i as f32);
+            let t = Tensor::empty_shared(&[(1 << 20) + 1], DType::F32).unwrap();
+            let v = t.atomic::<f32>().unwrap();
+            v.store(0, i as f32);
+            v.store(v.len() - 1, i as f32);
             t
         })
         .collect();

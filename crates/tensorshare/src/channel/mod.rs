@@ -2,6 +2,7 @@
 //! AF_UNIX SOCK_SEQPACKET sockets with descriptors passed alongside (SCM_RIGHTS).
 
 mod control;
+mod err;
 mod fd;
 mod frame;
 mod outbox;
@@ -9,6 +10,7 @@ mod pipe;
 mod queue;
 pub(crate) mod socket;
 
+pub use err::SendError;
 pub use fd::SharedFd;
 pub use frame::MAX_MESSAGE_ENV;
 pub use pipe::{pipe, Connection};

@@ -9,6 +9,7 @@ use rustix::event::PollFlags;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::err::SendError;
 use super::socket::{self, Deadline};
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
@@ -33,10 +34,12 @@ fn no_liveness_check() -> bool {
 }
 
 impl<T: Serialize + DeserializeOwned> Connection<T> {
-    /// Sends a value to the other end.
-    pub fn send(&self, value: &T) -> Result<()> {
-        let msg = wire::encode(value)?;
-        socket::send(self.fd.as_fd(), msg, Deadline::after(None), &no_liveness_check)
+    /// Sends a value to the other end, waiting while its socket is full. A failure
+    /// (`Disconnected` once the other end is closed) gives the value back.
+    pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        let sent = wire::encode(&value)
+            .and_then(|msg| socket::send(self.fd.as_fd(), msg, Deadline::after(None), &no_liveness_check));
+        sent.map_err(|e| SendError::new(value, e))
     }
 
     /// Receives a value, waiting as long as it takes.

@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::control::Control;
+use super::err::SendError;
 use super::frame::{self, Outgoing};
 use super::outbox::Outbox;
 use super::socket::{self, Deadline};
@@ -95,7 +96,15 @@ impl Core {
         Arc::strong_count(self) > 1 || self.control.others_alive() || self.outbox.pending()
     }
 
-    fn put<T: Serialize + ?Sized>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
+    fn put<T: Serialize>(
+        self: &Arc<Core>,
+        value: T,
+        deadline: Deadline,
+    ) -> std::result::Result<(), SendError<T>> {
+        self.put_ref(&value, deadline).map_err(|e| SendError::new(value, e))
+    }
+
+    fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
         let msg = wire::encode(value)?;
         loop {
             // Try once even when the deadline has passed (try_put, a zero timeout).
@@ -252,20 +261,21 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         Ok(Queue { core: Core::create(Some(cap))?, _t: PhantomData })
     }
 
-    /// Puts a value, waiting while the queue is full. `Disconnected` if it is full and no
-    /// other handle is left to take from it.
-    pub fn put(&self, value: T) -> Result<()> {
-        self.core.put(&value, Deadline::after(None))
+    /// Puts a value, waiting while the queue is full (never, if it is unbounded). Fails,
+    /// giving the value back, with `Disconnected` if it is full and no other handle is left
+    /// to take from it.
+    pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        self.core.put(value, Deadline::after(None))
     }
 
-    /// Puts a value, waiting at most `timeout` for room.
-    pub fn put_timeout(&self, value: T, timeout: Duration) -> Result<()> {
-        self.core.put(&value, Deadline::after(Some(timeout)))
+    /// Puts a value, waiting at most `timeout` for room; `Timeout` gives the value back.
+    pub fn put_timeout(&self, value: T, timeout: Duration) -> std::result::Result<(), SendError<T>> {
+        self.core.put(value, Deadline::after(Some(timeout)))
     }
 
-    /// Puts a value only if there is room now.
-    pub fn try_put(&self, value: T) -> Result<()> {
-        self.core.put(&value, Deadline::now())
+    /// Puts a value only if there is room now; `Timeout` gives the value back.
+    pub fn try_put(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        self.core.put(value, Deadline::now())
     }
 }
 
@@ -275,8 +285,8 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
         Ok(SimpleQueue { core: Core::create(None)?, _t: PhantomData })
     }
 
-    /// Puts a value.
-    pub fn put(&self, value: T) -> Result<()> {
-        self.core.put(&value, Deadline::after(None))
+    /// Puts a value; never waits. A failure gives the value back.
+    pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        self.core.put(value, Deadline::after(None))
     }
 }

@@ -192,10 +192,9 @@ impl Serialize for Event {
 
 impl<'de> Deserialize<'de> for Event {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Event, D::Error> {
-        use serde::de::Error as _;
         let r = EventRepr::deserialize(d)?;
         let handle: IpcBytes =
-            r.handle.try_into().map_err(|_| D::Error::custom("an event handle is not 64 bytes"))?;
-        Event::from_ipc_handle(Device::Cuda(r.device), handle).map_err(D::Error::custom)
+            r.handle.try_into().map_err(|_| crate::wire::de_error("an event handle is not 64 bytes"))?;
+        Event::from_ipc_handle(Device::Cuda(r.device), handle).map_err(crate::wire::de_error)
     }
 }

@@ -119,7 +119,7 @@ impl Tensor {
                 Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
             }
             Device::Cpu => Ok(Tensor::from_parts(Storage::new(len), dtype, shape.to_vec())),
-            Device::Meta => Ok(Tensor::meta(shape, dtype)),
+            Device::Meta => Tensor::try_meta(shape, dtype),
         }
     }
 

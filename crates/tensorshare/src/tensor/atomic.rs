@@ -1,138 +1,158 @@
 //! Lock-free element updates for several processes writing one tensor at once (Hogwild).
+//!
+//! The view is a raw pointer and a length, never a reference to the elements: other
+//! handles may write them at any time. Every operation is one atomic operation on the
+//! aligned 8-byte word that holds the element (see [`crate::atomic_bytes`]), the same unit
+//! the crate's safe copies use, so atomic updates, copies and fills of the same memory
+//! never race, whatever their dtypes.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 use super::Tensor;
+use crate::atomic_bytes::{self, WORD};
 use crate::{Element, Result};
 
 mod sealed {
     pub trait Sealed {}
 }
 
-/// An element type with an atomic counterpart of the same size.
-pub trait AtomicElement: Element + sealed::Sealed {
+/// An element type the atomic view supports: `f32`, `f64`, `i32`, `i64`.
+pub trait AtomicElement: Element + bytemuck::Pod + sealed::Sealed {
+    /// `self + other`, wrapping for integers (as `AtomicI32::fetch_add`).
     #[doc(hidden)]
-    type Atomic: Sync;
-    #[doc(hidden)]
-    fn load(a: &Self::Atomic) -> Self;
-    #[doc(hidden)]
-    fn store(a: &Self::Atomic, v: Self);
-    #[doc(hidden)]
-    fn fetch_add(a: &Self::Atomic, v: Self) -> Self;
+    fn add(self, other: Self) -> Self;
 }
 
-macro_rules! float_atomic {
-    ($t:ty, $a:ty) => {
+macro_rules! atomic_element {
+    ($t:ty, |$a:ident, $b:ident| $add:expr) => {
         impl sealed::Sealed for $t {}
         impl AtomicElement for $t {
-            type Atomic = $a;
-            fn load(a: &$a) -> $t {
-                <$t>::from_bits(a.load(Ordering::Relaxed))
-            }
-            fn store(a: &$a, v: $t) {
-                a.store(v.to_bits(), Ordering::Relaxed)
-            }
-            fn fetch_add(a: &$a, v: $t) -> $t {
-                let prev = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                    Some((<$t>::from_bits(bits) + v).to_bits())
-                });
-                // fetch_update with a closure that always returns Some cannot fail.
-                <$t>::from_bits(prev.unwrap_or_else(|b| b))
+            fn add(self, other: $t) -> $t {
+                let ($a, $b) = (self, other);
+                $add
             }
         }
     };
 }
 
-macro_rules! int_atomic {
-    ($t:ty, $a:ty) => {
-        impl sealed::Sealed for $t {}
-        impl AtomicElement for $t {
-            type Atomic = $a;
-            fn load(a: &$a) -> $t {
-                a.load(Ordering::Relaxed)
-            }
-            fn store(a: &$a, v: $t) {
-                a.store(v, Ordering::Relaxed)
-            }
-            fn fetch_add(a: &$a, v: $t) -> $t {
-                a.fetch_add(v, Ordering::Relaxed)
-            }
-        }
-    };
-}
-
-float_atomic!(f32, AtomicU32);
-float_atomic!(f64, AtomicU64);
-int_atomic!(i32, AtomicI32);
-int_atomic!(i64, AtomicI64);
+atomic_element!(f32, |a, b| a + b);
+atomic_element!(f64, |a, b| a + b);
+atomic_element!(i32, |a, b| a.wrapping_add(b));
+atomic_element!(i64, |a, b| a.wrapping_add(b));
 
 /// A contiguous tensor seen as atomics: every load, store and add is one atomic operation
 /// (relaxed), so threads and processes may update it at once without locks, as Hogwild
 /// training does. Made by [`Tensor::atomic`].
 pub struct AtomicView<'a, T: AtomicElement> {
-    cells: &'a [T::Atomic],
+    /// The first element, in a host storage kept alive by the borrowed tensor.
+    ptr: *mut u8,
+    len: usize,
+    _borrow: PhantomData<&'a Tensor>,
     _t: PhantomData<T>,
 }
 
+// SAFETY: the view is a pointer into a storage that the borrowed tensor keeps alive (the
+// tensor is Send + Sync), and every access through it is atomic: any number of threads may
+// use it at once.
+unsafe impl<T: AtomicElement> Send for AtomicView<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: AtomicElement> Sync for AtomicView<'_, T> {}
+
 impl<'a, T: AtomicElement> AtomicView<'a, T> {
+    const SIZE: usize = std::mem::size_of::<T>();
+
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.cells.len()
+        self.len
     }
 
     /// Whether the view has no elements.
     pub fn is_empty(&self) -> bool {
-        self.cells.is_empty()
+        self.len == 0
+    }
+
+    /// The address of element `i`, checked like slice indexing.
+    fn at(&self, i: usize) -> *mut u8 {
+        assert!(i < self.len, "index {i} is out of range for an atomic view of {} elements", self.len);
+        // SAFETY: i < len, so the element lies in the view's storage (see `ptr`).
+        unsafe { self.ptr.add(i * Self::SIZE) }
+    }
+
+    /// Atomically replaces element `i` by `f(old)`; returns `old`.
+    fn update(&self, i: usize, mut f: impl FnMut(T) -> T) -> T {
+        let p = self.at(i);
+        // SAFETY: `p` is an element of the view, in a host storage that lives as long as the
+        // view; elements are aligned to their size (a power of two up to WORD), so the
+        // element lies in one aligned word.
+        let old = unsafe {
+            atomic_bytes::update(p, Self::SIZE, |bytes| {
+                let new = f(bytemuck::pod_read_unaligned(bytes));
+                bytes.copy_from_slice(bytemuck::bytes_of(&new));
+            })
+        };
+        bytemuck::pod_read_unaligned(&old[..Self::SIZE])
     }
 
     /// The element at `i` (panics if out of range, as slice indexing).
     pub fn load(&self, i: usize) -> T {
-        T::load(&self.cells[i])
+        let mut bytes = [0u8; WORD];
+        // SAFETY: `at` checked that element i lies in the view's storage, which lives as
+        // long as the view.
+        unsafe { atomic_bytes::load(self.at(i), &mut bytes[..Self::SIZE]) };
+        bytemuck::pod_read_unaligned(&bytes[..Self::SIZE])
     }
 
-    /// Sets the element at `i`.
+    /// Sets the element at `i` (panics if out of range).
     pub fn store(&self, i: usize, v: T) {
-        T::store(&self.cells[i], v)
+        // SAFETY: as in `load`; the element lies in one aligned word, so the store is one
+        // atomic operation.
+        unsafe { atomic_bytes::store(self.at(i), bytemuck::bytes_of(&v)) }
     }
 
-    /// Adds `v` to the element at `i` and returns the previous value.
+    /// Adds `v` to the element at `i` and returns the previous value (panics if out of
+    /// range).
     pub fn fetch_add(&self, i: usize, v: T) -> T {
-        T::fetch_add(&self.cells[i], v)
+        self.update(i, |old| old.add(v))
     }
 
-    /// Adds `delta[i]` to every element `i` (each addition atomic on its own).
+    /// Adds `delta[i]` to every element `i` (each addition atomic on its own), for as many
+    /// elements as both have.
     pub fn add_slice(&self, delta: &[T]) {
-        for (c, d) in self.cells.iter().zip(delta) {
-            T::fetch_add(c, *d);
+        for (i, d) in delta.iter().enumerate().take(self.len) {
+            self.update(i, |old| old.add(*d));
         }
     }
 
-    /// A copy of every element.
+    /// A copy of every element (each read atomic on its own).
     pub fn to_vec(&self) -> Vec<T> {
-        self.cells.iter().map(T::load).collect()
+        (0..self.len).map(|i| self.load(i)).collect()
     }
 }
 
 impl Tensor {
     /// The elements as atomics, for lock-free updates from many threads or processes.
-    /// Needs a contiguous CPU tensor of dtype `T`.
+    /// Needs a contiguous host tensor of dtype `T`.
     pub fn atomic<T: AtomicElement>(&self) -> Result<AtomicView<'_, T>> {
-        let bytes = self.as_slice::<T>()?;
-        let (ptr, len) = (bytes.as_ptr(), bytes.len());
-        // SAFETY: `T::Atomic` has the size and alignment of `T` (std guarantees this for
-        // the atomic integer types; f32/f64 map to AtomicU32/AtomicU64 of equal size), the
-        // elements are aligned for T (storages are 64-byte aligned and offsets are whole
-        // elements), in bounds and live as long as `&self`. Atomics may alias other atomic
-        // accesses to the same memory.
-        let cells = unsafe { std::slice::from_raw_parts(ptr.cast::<T::Atomic>(), len) };
-        Ok(AtomicView { cells, _t: PhantomData })
+        self.check_dtype::<T>()?;
+        self.check_cpu()?;
+        self.check_contiguous()?;
+        // The pointer is only formed here; `AtomicView::at` dereferences only elements
+        // below `numel`, which lie in the storage (check_bounds).
+        Ok(AtomicView {
+            ptr: self.elem_ptr(self.offset),
+            len: self.numel(),
+            _borrow: PhantomData,
+            _t: PhantomData,
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use crate::{DType, Tensor};
+
+    /// Updates per thread (few under Miri, which checks these tests for data races).
+    const ROUNDS: usize = if cfg!(miri) { 50 } else { 50_000 };
 
     #[test]
     fn concurrent_adds_are_not_lost() {
@@ -141,12 +161,53 @@ mod tests {
             for _ in 0..4 {
                 s.spawn(|| {
                     let v = t.atomic::<f32>().unwrap();
-                    for _ in 0..1000 {
+                    for _ in 0..ROUNDS {
                         v.add_slice(&[1.0, 2.0, 0.5, -1.0]);
                     }
                 });
             }
         });
-        assert_eq!(t.to_vec::<f32>().unwrap(), vec![4000.0, 8000.0, 2000.0, -4000.0]);
+        let n = 4.0 * ROUNDS as f32;
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![n, 2.0 * n, 0.5 * n, -n]);
+    }
+
+    #[test]
+    fn two_threads_incrementing_one_element_reach_the_exact_total() {
+        let t = Tensor::zeros(&[1], DType::I64);
+        let alias = t.clone();
+        std::thread::scope(|s| {
+            for h in [&t, &alias] {
+                s.spawn(move || {
+                    let v = h.atomic::<i64>().unwrap();
+                    for _ in 0..ROUNDS {
+                        v.fetch_add(0, 1);
+                    }
+                });
+            }
+        });
+        assert_eq!(t.to_vec::<i64>().unwrap(), vec![2 * ROUNDS as i64]);
+    }
+
+    #[test]
+    fn neighbours_in_one_word_are_updated_independently() {
+        // Two i32 elements share an 8-byte word: each thread adds to its own, and neither
+        // may undo the other's adds.
+        let t = Tensor::zeros(&[2], DType::I32);
+        std::thread::scope(|s| {
+            for i in 0..2 {
+                let t = &t;
+                s.spawn(move || {
+                    let v = t.atomic::<i32>().unwrap();
+                    for _ in 0..ROUNDS {
+                        v.fetch_add(i, 1);
+                    }
+                });
+            }
+        });
+        let v = t.atomic::<i32>().unwrap();
+        assert_eq!(v.to_vec(), vec![ROUNDS as i32; 2]);
+        v.store(1, -3);
+        assert_eq!((v.load(0), v.load(1), v.len()), (ROUNDS as i32, -3, 2));
+        assert!(t.atomic::<f32>().is_err(), "the dtype must match");
     }
 }

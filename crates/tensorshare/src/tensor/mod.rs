@@ -4,6 +4,7 @@ mod access;
 #[cfg(feature = "ndarray")]
 mod array;
 mod atomic;
+mod borrow;
 mod view;
 
 pub use atomic::{AtomicElement, AtomicView};
@@ -50,7 +51,10 @@ pub enum TensorKind {
 /// Cloning a tensor is cheap and gives another view of the same storage: writes through one
 /// are seen through the other (torch's aliasing). Views (`narrow`, `select`, `transpose`,
 /// `permute`, `reshape`) share the storage too; in a shared storage they alias it in every
-/// process that holds it.
+/// process that holds it. See the crate docs on what is safe to do with aliased memory.
+///
+/// Every tensor's number of elements and byte size fit in `isize` (constructors check it),
+/// and every element it addresses lies in its storage.
 #[derive(Clone)]
 pub struct Tensor {
     pub(crate) storage: Storage,
@@ -94,8 +98,16 @@ pub(crate) fn checked_numel(shape: &[usize]) -> Result<usize> {
     shape.iter().try_fold(1usize, |acc, &d| checked_mul(acc, d, "the number of elements"))
 }
 
-fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
-    checked_mul(checked_numel(shape)?, dtype.size(), "the byte size")
+/// Byte size of a tensor of `shape`, or an error if it overflows or exceeds `isize::MAX`
+/// (the most any allocation, or a Rust slice, can hold).
+pub(crate) fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
+    let len = checked_mul(checked_numel(shape)?, dtype.size(), "the byte size")?;
+    if len > isize::MAX as usize {
+        return Err(Error::shape(format!(
+            "a {dtype} tensor of shape {shape:?} would need {len} bytes, more than any allocation can hold"
+        )));
+    }
+    Ok(len)
 }
 
 impl Tensor {
@@ -129,8 +141,9 @@ impl Tensor {
             )));
         }
         let bytes: &[u8] = bytemuck::cast_slice(data);
-        let storage = Storage::new(bytes.len());
-        // SAFETY: the storage is fresh, private and exactly bytes.len() long.
+        let storage = Storage::try_new(bytes.len())?;
+        // SAFETY: the storage is fresh, private and exactly bytes.len() long; no other
+        // handle to it exists yet.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_ptr(), bytes.len()) };
         Ok(Tensor::from_parts(storage, T::DTYPE, shape.to_vec()))
     }
@@ -138,10 +151,17 @@ impl Tensor {
     /// A private tensor of zeros.
     ///
     /// # Panics
-    /// If the byte size of `shape` overflows `usize` (as `vec!` does).
+    /// If the byte size of `shape` overflows, or the memory cannot be allocated (as `vec!`
+    /// does); [`Tensor::try_zeros`] returns an error instead.
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
-        let len = byte_len(shape, dtype).unwrap_or_else(|e| panic!("Tensor::zeros({shape:?}): {e}"));
-        Tensor::from_parts(Storage::new(len), dtype, shape.to_vec())
+        Tensor::try_zeros(shape, dtype).unwrap_or_else(|e| panic!("Tensor::zeros({shape:?}): {e}"))
+    }
+
+    /// A private tensor of zeros, or an error if its byte size overflows or its memory
+    /// cannot be allocated.
+    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let storage = Storage::try_new(byte_len(shape, dtype)?)?;
+        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
     }
 
     /// A private tensor of ones.
@@ -184,10 +204,22 @@ impl Tensor {
     }
 
     /// A tensor on the meta device: a shape and a dtype, no data.
+    ///
+    /// # Panics
+    /// If the number of elements or the byte size of `shape` overflows (as a tensor with
+    /// data would); [`Tensor::try_meta`] returns an error instead.
     pub fn meta(shape: &[usize], dtype: DType) -> Tensor {
-        let mut t = Tensor::from_parts(Storage::new(0), dtype, shape.to_vec());
+        Tensor::try_meta(shape, dtype).unwrap_or_else(|e| panic!("Tensor::meta({shape:?}): {e}"))
+    }
+
+    /// A tensor on the meta device, or an error if its number of elements or byte size
+    /// overflows: a meta tensor stands for one that could exist, so [`Tensor::numel`] and
+    /// the byte size are exact for it too.
+    pub fn try_meta(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        byte_len(shape, dtype)?;
+        let mut t = Tensor::from_parts(Storage::try_new(0)?, dtype, shape.to_vec());
         t.device = Device::Meta;
-        t
+        Ok(t)
     }
 
     /// A tensor viewing `storage` with explicit geometry; checked against the storage.
@@ -199,6 +231,16 @@ impl Tensor {
         offset: usize,
     ) -> Result<Tensor> {
         check_bounds(storage.len(), dtype, shape, strides, offset)?;
+        // Every host storage made here is 64-byte aligned; one received from a peer whose
+        // arena header claims an odd slot size would not be, and element accesses (the
+        // atomic view, zero-copy borrows) rely on elements aligned to their size.
+        if storage.device() == Device::Cpu && storage.as_ptr() as usize % crate::storage::ALIGN != 0 {
+            return Err(Error::invalid(format!(
+                "a storage at {:#x} is not {}-byte aligned",
+                storage.as_ptr() as usize,
+                crate::storage::ALIGN
+            )));
+        }
         let mut t = Tensor::from_parts(storage, dtype, shape.to_vec());
         t.strides = strides.to_vec();
         t.offset = offset;
@@ -230,7 +272,7 @@ impl Tensor {
         self.shape.len()
     }
 
-    /// The number of elements.
+    /// The number of elements. Exact: every constructor checks that it fits.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -282,10 +324,12 @@ impl Tensor {
         if self.device != Device::Cpu || self.storage.is_shared() {
             return Ok(self);
         }
-        if std::sync::Arc::strong_count(&self.storage.inner) == 1 {
+        if std::sync::Arc::get_mut(&mut self.storage.inner).is_some() {
             // No other handle: replace the storage and free the private bytes now.
             let fresh = Storage::empty_shared_with(self.storage.len(), strategy)?;
-            // SAFETY: both storages have len bytes; the new one is not reachable elsewhere.
+            // SAFETY: both storages have len bytes. This tensor holds the only handle of the
+            // old one (no other strong or weak reference) and `&mut self` excludes any other
+            // use of it; the new one is reachable from nowhere else yet.
             unsafe { std::ptr::copy_nonoverlapping(self.storage.as_ptr(), fresh.as_ptr(), fresh.len()) };
             self.storage = fresh;
         } else {
@@ -356,7 +400,8 @@ impl Tensor {
 
 /// Checks that a view with this geometry stays inside a storage of `storage_len` bytes.
 /// Every tensor, made here or received, passes this, so element addresses computed from
-/// shape, strides and offset are always in bounds.
+/// shape, strides and offset are always in bounds; so is the address of the first element
+/// of a view without elements (it is formed, never read), which may be one past the end.
 pub(crate) fn check_bounds(
     storage_len: usize,
     dtype: DType,
@@ -367,9 +412,19 @@ pub(crate) fn check_bounds(
     if shape.len() != strides.len() {
         return Err(Error::shape(format!("shape {shape:?} and strides {strides:?} have different lengths")));
     }
-    let numel = checked_numel(shape)?;
-    if numel == 0 {
-        return Ok(());
+    byte_len(shape, dtype)?;
+    let out_of_bounds = |needs: &dyn std::fmt::Display| {
+        Error::shape(format!(
+            "a {dtype} view of shape {shape:?}, strides {strides:?} and offset {offset} needs {needs} bytes, \
+             its storage has {storage_len}"
+        ))
+    };
+    if checked_numel(shape)? == 0 {
+        return match offset.checked_mul(dtype.size()) {
+            Some(start) if start <= storage_len => Ok(()),
+            Some(start) => Err(out_of_bounds(&start)),
+            None => Err(Error::shape("the tensor's offset overflows")),
+        };
     }
     let mut last = offset;
     for (&d, &s) in shape.iter().zip(strides) {
@@ -381,10 +436,7 @@ pub(crate) fn check_bounds(
         .and_then(|e| e.checked_mul(dtype.size()))
         .ok_or_else(|| Error::shape("the tensor's extent overflows"))?;
     if end > storage_len {
-        return Err(Error::shape(format!(
-            "a {dtype} view of shape {shape:?}, strides {strides:?} and offset {offset} needs {end} bytes, \
-             its storage has {storage_len}"
-        )));
+        return Err(out_of_bounds(&end));
     }
     Ok(())
 }
@@ -426,6 +478,42 @@ mod tests {
         let p = Tensor::zeros(&[2], DType::F32).into_parameter();
         assert_eq!(p.kind(), TensorKind::Parameter);
         assert!(p.requires_grad());
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_errors() {
+        assert!(Tensor::empty_shared(&[usize::MAX], DType::U8).is_err());
+        assert!(Tensor::empty_shared(&[1 << 62], DType::F32).is_err());
+        assert!(Tensor::try_zeros(&[usize::MAX, 2], DType::U8).is_err());
+        assert!(Tensor::try_zeros(&[1 << 62], DType::I64).is_err());
+        assert!(matches!(Tensor::try_zeros(&[1 << 60], DType::U8), Err(Error::AllocationFailed { .. })));
+        assert!(Storage::empty_shared_with(usize::MAX, SharingStrategy::FileDescriptor).is_err());
+        assert!(Storage::try_new(usize::MAX).is_err());
+    }
+
+    #[test]
+    fn meta_tensors_have_an_exact_numel() {
+        assert!(Tensor::try_meta(&[usize::MAX, 2], DType::U8).is_err());
+        assert!(Tensor::try_meta(&[1 << 62], DType::F32).is_err(), "the byte size overflows");
+        let t = Tensor::try_meta(&[1 << 40, 1 << 20], DType::U8).unwrap();
+        assert_eq!(t.numel(), 1 << 60);
+        assert!(std::panic::catch_unwind(|| Tensor::meta(&[usize::MAX, 2], DType::U8)).is_err());
+    }
+
+    #[test]
+    fn views_without_elements_start_inside_their_storage() {
+        let s = Storage::new(16);
+        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 4).is_ok(), "one past the end");
+        let e = Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 5).unwrap_err();
+        assert!(e.to_string().contains("needs 20 bytes"), "{e}");
+        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 1 << 62).is_err());
+        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0, 3], &[1, 1], usize::MAX).is_err());
+        assert!(Tensor::from_storage(s, DType::U8, &[1 << 63], &[0], 0).is_err(), "more bytes than isize");
+        // Views cut from an empty tensor keep its offset, however large their strides.
+        let t = Tensor::zeros(&[1 << 40, 0, 1 << 40], DType::U8);
+        let v = t.select(0, (1 << 40) - 1).unwrap().narrow(1, (1 << 40) - 2, 1).unwrap();
+        assert_eq!((v.shape(), v.storage_offset()), (&[0, 1][..], 0));
+        assert!(v.to_vec::<u8>().unwrap().is_empty());
     }
 
     #[test]

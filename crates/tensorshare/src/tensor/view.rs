@@ -4,6 +4,18 @@ use super::{checked_numel, contiguous_strides, Tensor};
 use crate::{Error, Result};
 
 impl Tensor {
+    /// Moves the first element of a view that was just cut out of `self`'s geometry by
+    /// `steps` strides of `stride` elements. A view without elements keeps its offset: it
+    /// addresses nothing, its base's offset is known to be in bounds, and the move, made of
+    /// strides of empty dimensions, might not even fit in usize.
+    fn move_offset(&mut self, steps: usize, stride: usize) {
+        if !self.shape.contains(&0) {
+            // Not empty: the new first element is an element of the base view, whose address
+            // is in bounds (check_bounds), so neither the product nor the sum overflows.
+            self.offset += steps * stride;
+        }
+    }
+
     fn check_dim(&self, dim: usize, op: &str) -> Result<()> {
         if dim >= self.ndim() {
             return Err(Error::shape(format!(
@@ -25,10 +37,8 @@ impl Tensor {
             )));
         }
         let mut t = self.clone();
-        if len > 0 {
-            t.offset += start * self.strides[dim];
-        }
         t.shape[dim] = len;
+        t.move_offset(start, self.strides[dim]);
         Ok(t)
     }
 
@@ -42,9 +52,9 @@ impl Tensor {
             )));
         }
         let mut t = self.clone();
-        t.offset += index * self.strides[dim];
         t.shape.remove(dim);
         t.strides.remove(dim);
+        t.move_offset(index, self.strides[dim]);
         Ok(t)
     }
 
@@ -91,7 +101,9 @@ impl Tensor {
             )));
         }
         let mut t = self.clone();
-        let stride = self.strides.get(dim).map(|&s| s * self.shape[dim]).unwrap_or(1);
+        // The stride of a dimension of size one never moves an address, so saturating is
+        // harmless (it happens only next to an empty dimension).
+        let stride = self.strides.get(dim).map(|&s| s.saturating_mul(self.shape[dim])).unwrap_or(1);
         t.shape.insert(dim, 1);
         t.strides.insert(dim, stride);
         Ok(t)
@@ -133,11 +145,7 @@ impl Tensor {
             return self.to_cpu()?.to_device(self.device);
         }
         self.check_cpu()?;
-        let mut t = Tensor::from_parts(
-            crate::Storage::new(self.numel() * self.dtype.size()),
-            self.dtype,
-            self.shape.clone(),
-        );
+        let mut t = Tensor::try_zeros(&self.shape, self.dtype)?;
         t.requires_grad = self.requires_grad;
         t.kind = self.kind;
         self.copy_into(&mut t)?;
