@@ -96,6 +96,7 @@ fn a_sigkilled_worker_fails_its_task_is_replaced_and_the_pool_serves_on() {
 }
 
 fn sigkilled_worker(method: StartMethod) {
+    common::allow_fork_in_helper();
     {
         let mut p = Pool::with_method(2, method).unwrap();
         let results: Vec<_> = p.imap(die_on_three, 0..8u32).collect();

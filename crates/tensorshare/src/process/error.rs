@@ -27,6 +27,12 @@ pub enum Failure {
         /// Its name, such as `SIGABRT`.
         name: String,
     },
+    /// The worker took its job but its result never came: the job ended the process
+    /// (`exit`, `exec`) or closed the socket the result goes through.
+    Unreported {
+        /// What happened, as in `exited with code 0 before reporting its result`.
+        reason: String,
+    },
     /// The worker could not run its job at all.
     Lost {
         /// What went wrong.
@@ -81,6 +87,7 @@ impl std::fmt::Display for ProcessError {
             Failure::Exited { code } => write!(f, "process {rank} terminated with exit code {code}"),
             Failure::Signaled { name, .. } => write!(f, "process {rank} terminated with signal {name}"),
             Failure::Lost { reason } => write!(f, "process {rank} could not run its job: {reason}"),
+            Failure::Unreported { reason } => write!(f, "process {rank} {reason}"),
             Failure::Raised { message, location, backtrace } => {
                 write!(
                     f,
