@@ -142,6 +142,7 @@ pub(crate) fn exit_forked(code: i32) -> ! {
 /// The identity of the open file behind `fd`, to tell whether a descriptor number still
 /// holds the same socket.
 fn identity(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
     rustix::fs::fstat(fd).ok().map(|st| (st.st_dev as u64, st.st_ino as u64))
 }
 
