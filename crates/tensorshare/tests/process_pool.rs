@@ -1,7 +1,7 @@
 //! Pool: torch's test_fd_pool / test_fs_pool, and what its users need beyond them.
 
 use tensorshare::process::Pool;
-use tensorshare::{DType, Error, Failure, SharingStrategy, StartMethod, Tensor};
+use tensorshare::{DType, Error, Failure, Queue, SharingStrategy, StartMethod, Tensor};
 
 tensorshare::enable_test_workers!();
 
@@ -74,7 +74,13 @@ fn a_panicking_task_fails_alone_and_its_worker_goes_on() {
         .collect();
     assert_eq!(results[0].as_ref().unwrap(), &0);
     match &results[2] {
-        Err(Error::Process(e)) => assert_eq!(e.message(), Some("task 2 failed")),
+        Err(Error::Process(e)) => {
+            assert_eq!(e.message(), Some("task 2 failed"));
+            // The worker survived: the error names the item, and no process "terminated".
+            let text = e.to_string();
+            assert!(text.starts_with("task 2 failed in process 0"), "{text}");
+            assert!(!text.contains("terminated"), "{text}");
+        }
         r => panic!("{r:?}"),
     }
     assert_eq!(results[3].as_ref().unwrap(), &3);
@@ -96,6 +102,7 @@ fn a_sigkilled_worker_fails_its_task_is_replaced_and_the_pool_serves_on() {
 }
 
 fn sigkilled_worker(method: StartMethod) {
+    common::allow_fork_in_helper();
     {
         let mut p = Pool::with_method(2, method).unwrap();
         let results: Vec<_> = p.imap(die_on_three, 0..8u32).collect();
@@ -146,4 +153,25 @@ fn dropping_the_pool_ends_its_workers() {
         let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
         assert_eq!(rustix::event::poll(&mut poll, Some(&zero)).unwrap(), 1, "a worker outlived its pool");
     }
+}
+
+fn times_ten_once_told(item: (u32, Queue<()>)) -> u32 {
+    let (x, told) = item;
+    if x == 1 {
+        told.get().unwrap();
+    }
+    x * 10
+}
+
+#[test]
+fn a_map_after_an_abandoned_imap_gets_its_own_results() {
+    let mut p = Pool::new(2).unwrap();
+    let told: Queue<()> = Queue::new().unwrap();
+    {
+        let mut it = p.imap(times_ten_once_told, (0..4u32).map(|x| (x, told.clone())));
+        assert_eq!(it.next().unwrap().unwrap(), 0);
+        // Item 1 is still running when its iterator goes.
+    }
+    told.put(()).unwrap();
+    assert_eq!(p.map(|x: u32| x + 1, vec![5, 6, 7]).unwrap(), vec![6, 7, 8]);
 }

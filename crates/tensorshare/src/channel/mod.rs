@@ -16,6 +16,12 @@ pub use frame::MAX_MESSAGE_ENV;
 pub use pipe::{pipe, Connection};
 pub use queue::{Queue, SimpleQueue};
 
+/// In a forked worker, before its job: forgets the queues its parent had, whose sockets the
+/// worker does not keep (see `process::fork`); a queue it receives is then its own.
+pub(crate) fn forget_after_fork() {
+    queue::forget_registry();
+}
+
 /// Holds the queue registry's lock (see `process::atfork`).
 pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
     queue::fork_guards(out);

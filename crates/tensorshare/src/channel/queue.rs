@@ -46,6 +46,11 @@ pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
     out.push(Box::new(lock(registry())));
 }
 
+/// Drops this process's record of which queues it has (see `channel::forget_after_fork`).
+pub(crate) fn forget_registry() {
+    lock(registry()).clear();
+}
+
 impl Core {
     fn create(capacity: Option<u32>) -> Result<Arc<Core>> {
         let (tx, rx) = socket::pair()?;

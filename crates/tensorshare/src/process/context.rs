@@ -179,16 +179,22 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
             return;
         }
     };
-    let report = read_report(&c.job);
+    let (started, report) = read_reports(&c.job);
     let failure = match (report, status.exit_status(), status.terminating_signal()) {
         (Some(Report::Done), Some(0), _) => None,
         (Some(Report::Raised { message, location, backtrace }), _, _) => {
             Some(Failure::Raised { message, location, backtrace })
         }
         (Some(Report::Lost { reason }), _, _) => Some(Failure::Lost { reason }),
+        (Some(Report::Unreported { reason }), _, _) => Some(Failure::Unreported { reason }),
         (_, _, Some(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
+        (_, Some(0), _) if started => Some(Failure::Unreported {
+            reason: "exited with code 0 before reporting its result (its job called exit, or exec'd \
+                     another program)"
+                .into(),
+        }),
         (_, Some(0), _) => Some(Failure::Lost {
-            reason: "the worker exited without running its job; does main() call tensorshare::init() \
+            reason: "the worker exited without taking its job; does main() call tensorshare::init() \
                      first (or the test file invoke tensorshare::enable_test_workers!())?"
                 .into(),
         }),
@@ -202,9 +208,23 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
     }));
 }
 
-fn read_report(job: &OwnedFd) -> Option<Report> {
-    match socket::try_recv(job.as_fd()) {
-        Ok(Received::Record(r)) => r.decode().ok(),
-        _ => None,
+/// Whether the worker took its job, and its final report if it sent one.
+fn read_reports(job: &OwnedFd) -> (bool, Option<Report>) {
+    let mut started = false;
+    let mut last = None;
+    // A worker that exits with records of ours unread (a job it never took) resets the
+    // connection: the first receive says so once, and what it sent is still there after.
+    let mut reset_seen = false;
+    loop {
+        match socket::try_recv(job.as_fd()) {
+            Ok(Received::Record(r)) => match r.decode() {
+                Ok(Report::Started) => started = true,
+                Ok(report) => last = Some(report),
+                Err(_) => {}
+            },
+            Ok(Received::Closed) if !reset_seen => reset_seen = true,
+            Ok(Received::Bad(_)) => {}
+            _ => return (started, last),
+        }
     }
 }

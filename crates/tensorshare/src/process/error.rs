@@ -27,6 +27,23 @@ pub enum Failure {
         /// Its name, such as `SIGABRT`.
         name: String,
     },
+    /// A pool task panicked or returned an error; the worker survived it and serves on.
+    Task {
+        /// The item's index among the items of its `map` or `imap`.
+        index: usize,
+        /// The panic message, or the error's `Display`.
+        message: String,
+        /// Where it panicked (`file:line:column`), when known.
+        location: Option<String>,
+        /// The worker's backtrace at the panic, when captured.
+        backtrace: Option<String>,
+    },
+    /// The worker took its job but its result never came: the job ended the process
+    /// (`exit`, `exec`) or closed the socket the result goes through.
+    Unreported {
+        /// What happened, as in `exited with code 0 before reporting its result`.
+        reason: String,
+    },
     /// The worker could not run its job at all.
     Lost {
         /// What went wrong.
@@ -66,7 +83,7 @@ impl ProcessError {
     /// The child's message, for [`Failure::Raised`].
     pub fn message(&self) -> Option<&str> {
         match &self.failure {
-            Failure::Raised { message, .. } => Some(message),
+            Failure::Raised { message, .. } | Failure::Task { message, .. } => Some(message),
             _ => None,
         }
     }
@@ -81,6 +98,17 @@ impl std::fmt::Display for ProcessError {
             Failure::Exited { code } => write!(f, "process {rank} terminated with exit code {code}"),
             Failure::Signaled { name, .. } => write!(f, "process {rank} terminated with signal {name}"),
             Failure::Lost { reason } => write!(f, "process {rank} could not run its job: {reason}"),
+            Failure::Unreported { reason } => write!(f, "process {rank} {reason}"),
+            Failure::Task { index, message, location, backtrace } => {
+                write!(f, "task {index} failed in process {rank} (pid {}): {message}", self.pid)?;
+                if let Some(loc) = location {
+                    write!(f, ", at {loc}")?;
+                }
+                if let (true, Some(bt)) = (f.alternate(), backtrace) {
+                    write!(f, "\n\nbacktrace of process {rank}:\n{bt}")?;
+                }
+                Ok(())
+            }
             Failure::Raised { message, location, backtrace } => {
                 write!(
                     f,

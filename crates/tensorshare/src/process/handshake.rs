@@ -27,7 +27,7 @@
 //! with descriptors attached for the cleaner (the group's lock file).
 
 use std::ffi::OsStr;
-use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use super::image::{self, ExeId};
 use crate::channel::socket::{self, Received};
@@ -110,7 +110,7 @@ pub(crate) enum Arrival {
 pub(crate) fn arrive(var: &str, role: Role) -> Arrival {
     let Some(value) = std::env::var_os(var) else { return Arrival::Program };
     std::env::remove_var(var);
-    match check(&value, role) {
+    match check(&value, role, None) {
         Ok(arrival) => arrival,
         Err(why) => {
             eprintln!("tensorshare: ignoring {var} ({why}); running as a normal program");
@@ -119,13 +119,50 @@ pub(crate) fn arrive(var: &str, role: Role) -> Arrival {
     }
 }
 
-fn check(value: &OsStr, role: Role) -> std::result::Result<Arrival, String> {
+/// [`arrive`] for a process that may have other threads by now (one that did not call
+/// `init` first and reached `spawn`): it leaves the environment as it is, and examines its
+/// own copy of descriptor 3 rather than the number, which another thread could close or
+/// reuse meanwhile.
+pub(crate) fn arrive_late(var: &str, role: Role) -> Arrival {
+    let Some(value) = std::env::var_os(var) else { return Arrival::Program };
+    // SAFETY: F_DUPFD_CLOEXEC only reads the descriptor table; on a number that is not
+    // open it fails with EBADF and touches nothing.
+    let dup = unsafe { libc::fcntl(INHERITED_FD, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup == -1 {
+        eprintln!("tensorshare: ignoring {var} (descriptor {INHERITED_FD} is not open)");
+        return Arrival::Program;
+    }
+    // SAFETY: `dup` was just made by this call and nothing else knows it: it is ours.
+    let copy = unsafe { OwnedFd::from_raw_fd(dup) };
+    match check(&value, role, Some(copy)) {
+        Ok(arrival) => arrival,
+        Err(why) => {
+            eprintln!("tensorshare: ignoring {var} ({why})");
+            Arrival::Program
+        }
+    }
+}
+
+/// Checks descriptor 3, or `copy` (a copy of it made by [`arrive_late`]).
+fn check(value: &OsStr, role: Role, copy: Option<OwnedFd>) -> std::result::Result<Arrival, String> {
     // SAFETY: getauxval only reads this process's auxiliary vector.
     if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
         return Err("this program runs setuid or setgid".into());
     }
     let (parent, token) = parse_value(value).ok_or("it was not set by tensorshare")?;
-    let sock = socket_from(parent)?;
+    let sock = match &copy {
+        Some(c) => c.as_fd(),
+        // SAFETY: F_GETFD only reads the descriptor's flags; on a number that is not open
+        // it fails with EBADF and touches nothing.
+        None if unsafe { libc::fcntl(INHERITED_FD, libc::F_GETFD) } == -1 => {
+            return Err(format!("descriptor {INHERITED_FD} is not open"))
+        }
+        // SAFETY: descriptor 3 is open (checked just above), and this process has one
+        // thread (see `arrive`), so nothing closes it while it is borrowed; it is only
+        // queried, and read once it is known to be the parent's socket.
+        None => unsafe { BorrowedFd::borrow_raw(INHERITED_FD) },
+    };
+    socket_from(sock, parent)?;
     let record = match socket::try_recv(sock) {
         Ok(Received::Record(r)) => r,
         _ => return Err(format!("descriptor {INHERITED_FD} holds no invitation")),
@@ -137,9 +174,12 @@ fn check(value: &OsStr, role: Role) -> std::result::Result<Arrival, String> {
     }
     // Proven: the parent made this socket and started this process for this role, so from
     // here on the process never runs `main`.
-    // SAFETY: descriptor 3 is the socket the parent gave this process (its peer is the
-    // parent and it carried this launch's token); nothing else in this process owns it.
-    let sock = unsafe { OwnedFd::from_raw_fd(INHERITED_FD) };
+    let sock = match copy {
+        Some(c) => c,
+        // SAFETY: descriptor 3 is the socket the parent gave this process (its peer is the
+        // parent and it carried this launch's token); nothing else in this process owns it.
+        None => unsafe { OwnedFd::from_raw_fd(INHERITED_FD) },
+    };
     let mine = match ExeId::current() {
         Ok(mine) => mine,
         Err(e) => {
@@ -180,20 +220,10 @@ fn parse_hello(bytes: &[u8]) -> Option<([u8; TOKEN_LEN], ExeId)> {
     words.next().is_none().then_some((token, exe))
 }
 
-/// Descriptor 3, borrowed, if it is an AF_UNIX SEQPACKET socket whose peer is `parent`
-/// running as our user.
-fn socket_from(parent: i32) -> std::result::Result<BorrowedFd<'static>, String> {
+/// Whether `fd` (descriptor 3, or a copy) is an AF_UNIX SEQPACKET socket whose peer is
+/// `parent` running as our user.
+fn socket_from(fd: BorrowedFd<'_>, parent: i32) -> std::result::Result<(), String> {
     let not_ours = |what: String| format!("descriptor {INHERITED_FD} {what}");
-    // Whether the number is open at all, asked without claiming it.
-    // SAFETY: F_GETFD only reads the descriptor's flags; on a number that is not open it
-    // fails with EBADF and touches nothing.
-    if unsafe { libc::fcntl(INHERITED_FD, libc::F_GETFD) } == -1 {
-        return Err(not_ours("is not open".into()));
-    }
-    // SAFETY: descriptor 3 is open (checked above), and this process has one thread (see
-    // `arrive`), so nothing closes it while it is borrowed; it is only queried, and read
-    // once it is known to be the parent's socket.
-    let fd = unsafe { BorrowedFd::borrow_raw(INHERITED_FD) };
     let st = rustix::fs::fstat(fd).map_err(|e| not_ours(format!("cannot be examined ({e})")))?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
         return Err(not_ours("is not a socket".into()));
@@ -209,7 +239,7 @@ fn socket_from(parent: i32) -> std::result::Result<BorrowedFd<'static>, String> 
     if cred.pid.as_raw_nonzero().get() != parent || cred.uid != rustix::process::getuid() {
         return Err(not_ours(format!("was made by process {}, not by {parent}", cred.pid.as_raw_nonzero())));
     }
-    Ok(fd)
+    Ok(())
 }
 
 #[cfg(test)]

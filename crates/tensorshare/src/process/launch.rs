@@ -11,8 +11,8 @@ use serde::Serialize;
 use super::context::{Child, ProcessContext};
 use super::handshake::{Invitation, INHERITED_FD};
 use super::job::{entry_name, Job};
-use super::worker::{install_panic_hook, worker_main, ExitKind, WORKER_ENV};
-use super::{atfork, forkserver};
+use super::worker::{refuse_if_unstarted, WORKER_ENV};
+use super::{fork, forkserver};
 use crate::channel::socket::{self, Deadline};
 use crate::{wire, Error, Result};
 
@@ -28,7 +28,12 @@ pub enum StartMethod {
     /// forking thread exists in the child, and a lock another thread held at the fork stays
     /// locked there for good: tensorshare's own locks are made safe around fork, but the
     /// program's are not, nor are the standard library's (stdout and stderr, the
-    /// environment, the panic hook). Fork from a single-threaded parent, or use ForkServer.
+    /// environment, the panic hook). So a parent with other threads is refused, unless the
+    /// program calls the `unsafe`
+    /// [`allow_fork_with_threads`](crate::process::allow_fork_with_threads) first. The
+    /// worker gets the standard streams, its job socket, and the files and shared memory of
+    /// its parent; every other socket and pipe end it inherited becomes `/dev/null`, so
+    /// that it keeps no conversation of its parent alive.
     Fork,
     /// A single-threaded server process, started on first use, forks the workers: nearly
     /// as fast as Fork and safe when the parent has threads. Workers inherit the server's
@@ -89,6 +94,7 @@ where
     J: Job<A>,
     A: Serialize + DeserializeOwned,
 {
+    refuse_if_unstarted();
     let name = entry_name::<J, A>()?;
     // Workers belong to this process's cleanup group (see `shm::group`), whatever start
     // method makes them: a forked worker shares the group lock's open file.
@@ -139,7 +145,7 @@ fn start(job: OwnedFd, launch: Launch) -> Result<rustix::process::Pid> {
              workers cannot be started with StartMethod::Fork; use StartMethod::Spawn or ForkServer"
                 .into(),
         )),
-        Launch::Fork => fork_worker(job),
+        Launch::Fork => fork::fork_worker(job),
         Launch::ForkServer => forkserver::start_worker(job),
     }
 }
@@ -187,22 +193,4 @@ pub(crate) fn exec_helper(
     let child = cmd.spawn().map_err(|e| Error::io("starting a worker (exec of /proc/self/exe)", e))?;
     drop(fd);
     rustix::process::Pid::from_raw(child.id() as i32).ok_or_else(|| Error::invalid("the worker has pid 0"))
-}
-
-fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
-    atfork::register();
-    install_panic_hook();
-    let me = rustix::process::getpid().as_raw_nonzero().get();
-    // SAFETY: fork has no memory-safety preconditions; in the child only this thread
-    // exists, tensorshare's locks were released by the atfork handlers, and the child runs
-    // the worker and leaves with _exit.
-    let pid = unsafe { libc::fork() };
-    match pid {
-        -1 => Err(Error::io("fork", std::io::Error::last_os_error())),
-        0 => worker_main(job, me, ExitKind::Forked),
-        pid => {
-            drop(job);
-            rustix::process::Pid::from_raw(pid).ok_or_else(|| Error::invalid("fork returned pid 0"))
-        }
-    }
 }

@@ -34,6 +34,7 @@
 mod atfork;
 mod context;
 mod error;
+mod fork;
 mod forkserver;
 mod handshake;
 mod image;
@@ -44,6 +45,7 @@ mod worker;
 
 pub use context::{ProcessContext, DEFAULT_GRACE};
 pub use error::{signal_name, Failure, ProcessError};
+pub use fork::allow_fork_with_threads;
 pub use job::{trust_libraries_without_build_id, Captured, Job, JobResult, JobReturn};
 pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 

@@ -71,6 +71,15 @@ impl<I: Fn(usize)> InitDesc<I> {
     const DESC: &'static Desc<InitEntry> = &Desc::new(std::any::type_name::<I>, init_entry::<I>);
 }
 
+/// A task's error that does not say which item it was about (a result that cannot be
+/// decoded) gets the index.
+fn name_task(e: Error, index: usize) -> Error {
+    match e {
+        Error::Process(p) => Error::Process(p),
+        e => Error::InvalidMessage(format!("the result of task {index}: {e}")),
+    }
+}
+
 /// The worker's loop: tasks until the pool hangs up.
 fn pool_worker(
     rank: usize,
@@ -130,13 +139,24 @@ fn pool_worker(
 struct Worker {
     ctx: ProcessContext,
     sock: OwnedFd,
-    /// The index of the task it runs.
-    task: Option<usize>,
+    /// The task it runs.
+    task: Option<InFlight>,
+}
+
+/// A task sent to a worker: its item's index, and the batch (one `imap` or `map`) it
+/// belongs to. A batch whose iterator was dropped early leaves its tasks running; their
+/// results are recognised by the batch and discarded, never taken for another's.
+#[derive(Clone, Copy)]
+struct InFlight {
+    index: usize,
+    batch: u64,
 }
 
 /// A pool of worker processes running tasks. Dropping it ends its workers.
 pub struct Pool {
     workers: Vec<Worker>,
+    /// The number of the next batch of tasks.
+    batches: u64,
     method: StartMethod,
     init: Option<(JobName, usize)>,
 }
@@ -173,7 +193,7 @@ impl Pool {
         if n == 0 {
             return Err(Error::shape("a pool needs at least one worker"));
         }
-        let mut pool = Pool { workers: Vec::with_capacity(n), method, init };
+        let mut pool = Pool { workers: Vec::with_capacity(n), batches: 0, method, init };
         for rank in 0..n {
             let w = pool.start(rank)?;
             pool.workers.push(w);
@@ -270,6 +290,7 @@ pub struct Tasks<'p, T, U, I> {
     /// The tasks' name, or why the function cannot be named (then every item fails).
     entry: std::result::Result<JobName, String>,
     items: I,
+    batch: u64,
     next_index: usize,
     ordered: bool,
     /// Done, waiting to be yielded (ordered mode) or in completion order.
@@ -287,10 +308,13 @@ where
     I: Iterator<Item = T>,
 {
     fn new(pool: &'p mut Pool, entry: std::result::Result<JobName, String>, items: I, ordered: bool) -> Self {
+        let batch = pool.batches;
+        pool.batches += 1;
         Tasks {
             pool,
             entry,
             items,
+            batch,
             next_index: 0,
             ordered,
             done: BTreeMap::new(),
@@ -325,7 +349,7 @@ where
                 socket::send(w.sock.as_fd(), wire::encode(&item)?, Deadline::after(None), &|| true)
             })();
             match sent {
-                Ok(()) => self.pool.workers[wi].task = Some(index),
+                Ok(()) => self.pool.workers[wi].task = Some(InFlight { index, batch: self.batch }),
                 Err(e) => self.finish(index, Err(e)),
             }
         }
@@ -354,8 +378,11 @@ where
         for (i, sock_ready, died) in ready {
             if sock_ready {
                 if let Some(r) = self.read_result(i) {
-                    let index = self.pool.workers[i].task.take().expect("busy worker");
-                    self.finish(index, r);
+                    let task = self.pool.workers[i].task.take().expect("busy worker");
+                    if task.batch == self.batch {
+                        let r = r.and_then(|value| value.decode::<U>());
+                        self.finish(task.index, r.map_err(|e| name_task(e, task.index)));
+                    }
                     continue;
                 }
             }
@@ -366,11 +393,12 @@ where
         Ok(())
     }
 
-    /// The outcome and value a worker sent, if it sent them.
-    fn read_result(&mut self, i: usize) -> Option<Result<U>> {
+    /// The outcome and value record a worker sent, if it sent them.
+    fn read_result(&mut self, i: usize) -> Option<Result<socket::Record>> {
         let w = &self.pool.workers[i];
         let rank = w.ctx.children[0].rank;
         let pid = w.ctx.pids()[0];
+        let index = w.task.map_or(0, |t| t.index);
         let head = match socket::try_recv(w.sock.as_fd()) {
             Ok(socket::Received::Record(r)) => r,
             _ => return None,
@@ -383,11 +411,9 @@ where
             Outcome::Raised { message, location, backtrace } => Err(Error::Process(ProcessError {
                 rank,
                 pid,
-                failure: Failure::Raised { message, location, backtrace },
+                failure: Failure::Task { index, message, location, backtrace },
             })),
-            Outcome::Ok => {
-                socket::recv(w.sock.as_fd(), Deadline::after(None), &|| true).and_then(|r| r.decode::<U>())
-            }
+            Outcome::Ok => socket::recv(w.sock.as_fd(), Deadline::after(None), &|| true),
         })
     }
 
@@ -401,8 +427,10 @@ where
             pid: child.pid.as_raw_nonzero().get(),
             failure: Failure::Lost { reason: "the worker hung up".into() },
         });
-        if let Some(index) = w.task.take() {
-            self.finish(index, Err(Error::Process(err)));
+        if let Some(task) = w.task.take() {
+            if task.batch == self.batch {
+                self.finish(task.index, Err(Error::Process(err)));
+            }
         }
         let rank = self.pool.workers[i].ctx.children[0].rank;
         self.pool.workers[i] = self.pool.start(rank)?;
@@ -432,9 +460,12 @@ where
                 continue;
             }
             self.dispatch();
-            if self.exhausted && self.pool.workers.iter().all(|w| w.task.is_none()) && self.done.is_empty() {
+            let mine = self.pool.workers.iter().any(|w| w.task.is_some_and(|t| t.batch == self.batch));
+            if self.exhausted && !mine && self.done.is_empty() {
                 return None;
             }
+            // Workers still busy with an abandoned batch are waited for too: they are the
+            // ones that take the rest of the items once free.
             if self.pool.workers.iter().any(|w| w.task.is_some()) {
                 if let Err(e) = self.collect_one() {
                     return Some(Err(e));

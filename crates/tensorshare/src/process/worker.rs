@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 
 use serde::{Deserialize, Serialize};
 
+use super::handshake::{arrive_late, Arrival, Role};
 use super::job::{Entry, JobName, JobResult};
 use crate::channel::socket::{self, Deadline};
 use crate::wire;
@@ -18,9 +19,22 @@ pub(crate) const FORKSERVER_ENV: &str = "TENSORSHARE_FORKSERVER";
 /// What a worker tells its parent at the end of its job.
 #[derive(Serialize, Deserialize, Debug)]
 pub(crate) enum Report {
+    /// The worker took its job and is about to run it: from here on, an exit without a
+    /// final report is the job's doing (it called `exit`, or exec'd), not a missing `init`.
+    Started,
     Done,
-    Raised { message: String, location: Option<String>, backtrace: Option<String> },
-    Lost { reason: String },
+    Raised {
+        message: String,
+        location: Option<String>,
+        backtrace: Option<String>,
+    },
+    Lost {
+        reason: String,
+    },
+    /// The job broke the worker's way of reporting (it closed the job socket).
+    Unreported {
+        reason: String,
+    },
 }
 
 /// Makes this process die with its parent (the thread that started it, in Linux terms).
@@ -40,6 +54,8 @@ pub(crate) enum ExitKind {
     Forked,
 }
 
+/// Leaves a re-executed (or otherwise single-threaded) process at once, with what it wrote
+/// to stdout and stderr flushed.
 pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
@@ -113,6 +129,50 @@ pub(crate) fn refuse(job: OwnedFd, reason: String) -> ! {
     exit_now(1)
 }
 
+/// Leaves a forked worker without taking a lock: another thread of the parent may have held
+/// stdout's (or any) lock at the fork, and it stays held here for good, so nothing is
+/// flushed through the standard library (whole lines already went out: stdout is
+/// line-buffered).
+pub(crate) fn exit_forked(code: i32) -> ! {
+    // SAFETY: _exit ends the process at once, running no handler and taking no lock; no
+    // Rust state is used afterwards.
+    unsafe { libc::_exit(code) }
+}
+
+/// The identity of the open file behind `fd`, to tell whether a descriptor number still
+/// holds the same socket.
+fn identity(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    rustix::fs::fstat(fd).ok().map(|st| (st.st_dev as u64, st.st_ino as u64))
+}
+
+/// What a worker that never ran [`init`](crate::init) hears when its `main` reaches
+/// `spawn`: it would start workers that do the same, without end.
+pub(crate) const REACHED_SPAWN: &str = "the worker reached spawn (or start_processes, or Pool::new) \
+before running its job: does main() call tensorshare::init() first (or the test file invoke \
+tensorshare::enable_test_workers!())?";
+
+/// Stops a process that was started as a worker (or fork server) but did not run `init`
+/// before starting workers of its own: each would do the same, an endless chain, or a fork
+/// bomb with more than one worker. Python stops a missing `__main__` guard the same way.
+///
+/// A process that proves to be such a worker (see `handshake`) tells its parent why and
+/// exits, so the parent reports it as the worker's failure; a variable that tensorshare did
+/// not set is ignored, as `init` ignores it.
+pub(crate) fn refuse_if_unstarted() {
+    for (var, role) in [(WORKER_ENV, Role::Worker), (FORKSERVER_ENV, Role::ForkServer)] {
+        match arrive_late(var, role) {
+            // A variable tensorshare did not set: `arrive_late` said so.
+            Arrival::Program => {}
+            Arrival::Invited(i) if role == Role::Worker => refuse(i.sock, REACHED_SPAWN.into()),
+            Arrival::Invited(i) => super::forkserver::refuse(i.sock, REACHED_SPAWN.into()),
+            Arrival::Orphaned => exit_now(1),
+            Arrival::Refused { sock, reason } if role == Role::Worker => refuse(sock, reason),
+            Arrival::Refused { sock, reason } => super::forkserver::refuse(sock, reason),
+        }
+    }
+}
+
 /// A worker's life: read which job to run and its arguments from the job socket, run it,
 /// report, exit.
 pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
@@ -124,20 +184,43 @@ pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
             eprintln!("tensorshare: worker {}: {e}", std::process::id());
         }
     }
-    let report = match run_job(&job) {
+    // The job may close its socket's descriptor (or a program may close every descriptor
+    // it does not know): a copy, out of its way and closed by an exec, still reports that.
+    let number = std::os::fd::AsRawFd::as_raw_fd(&job);
+    let Ok(spare) = rustix::io::fcntl_dupfd_cloexec(&job, 10) else {
+        send_report(&job, &Report::Lost { reason: "cannot duplicate the job socket".into() });
+        leave(exit, 1)
+    };
+    // An exec'd program has nothing to say on it: closing it there shows as the hang-up.
+    let _ = rustix::io::fcntl_setfd(&job, rustix::io::FdFlags::CLOEXEC);
+    let before = identity(spare.as_fd());
+    let report = match run_job(&job, &spare) {
         Ok(report) => report,
         Err(reason) => Report::Lost { reason },
     };
-    send_report(&job, &report);
-    drop(job);
-    let code = if matches!(report, Report::Done) { 0 } else { 1 };
+    let report = if identity(job.as_fd()) == before {
+        drop(job);
+        report
+    } else {
+        // The number is closed, or holds something else now: it is not ours to close.
+        std::mem::forget(job);
+        Report::Unreported {
+            reason: format!("closed its job socket (descriptor {number}) before reporting its result"),
+        }
+    };
+    send_report(&spare, &report);
+    drop(spare);
+    leave(exit, if matches!(report, Report::Done) { 0 } else { 1 })
+}
+
+fn leave(exit: ExitKind, code: i32) -> ! {
     match exit {
         ExitKind::Normal => std::process::exit(code),
-        ExitKind::Forked => exit_now(code),
+        ExitKind::Forked => exit_forked(code),
     }
 }
 
-fn run_job(job: &OwnedFd) -> std::result::Result<Report, String> {
+fn run_job(job: &OwnedFd, spare: &OwnedFd) -> std::result::Result<Report, String> {
     let parent_alive = || true; // the job socket's hang-up tells
     let name = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job: {e}"))?;
@@ -145,5 +228,6 @@ fn run_job(job: &OwnedFd) -> std::result::Result<Report, String> {
     let entry = name.resolve::<Entry>()?;
     let payload = socket::recv(job.as_fd(), Deadline::after(None), &parent_alive)
         .map_err(|e| format!("reading the job's arguments: {e}"))?;
+    send_report(spare, &Report::Started);
     Ok(catch(|| entry(payload)))
 }

@@ -17,6 +17,16 @@ pub fn isolated<J: Job<StartMethod>>(body: J, method: StartMethod) {
     }
 }
 
+/// Lets a helper process made by [`isolated`] fork although the test harness gave it a
+/// second thread.
+pub fn allow_fork_in_helper() {
+    // SAFETY: a helper runs one test (`--test-threads=1`), on a thread of its own, while the
+    // harness's main thread only waits for that test to end, blocked in a channel receive
+    // that holds no lock; nothing else runs, so no lock is held by another thread when this
+    // thread forks.
+    unsafe { tensorshare::process::allow_fork_with_threads() }
+}
+
 /// How many times each sharing test body runs: `TENSORSHARE_TEST_REPEATS` (torch runs
 /// them 30 times; CI once, to stay within its time).
 pub fn repeats() -> usize {
