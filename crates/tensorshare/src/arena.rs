@@ -47,8 +47,13 @@ const CLASSES: usize = (MAX_SLOT_SHIFT - MIN_SLOT_SHIFT + 1) as usize;
 /// Bytes of data in a pooled arena (more for the largest classes: at least 4 slots).
 const ARENA_DATA: usize = 8 << 20;
 const MAX_SLOTS: usize = 8192;
-/// Free one-slot arenas kept for reuse, in bytes, before the oldest are let go.
-const LARGE_RETAIN: usize = 1 << 30;
+/// Free one-slot arenas kept for reuse (so that a large tensor made again and again finds
+/// warm pages): at most this many bytes and this many arenas, none larger than
+/// `LARGE_RETAIN`, and none idle for longer than `LARGE_IDLE` at the next allocation or
+/// release of a large storage. Anything else goes back to the system when it is freed.
+const LARGE_RETAIN: usize = 256 << 20;
+const LARGE_RETAIN_COUNT: usize = 8;
+const LARGE_IDLE: std::time::Duration = std::time::Duration::from_secs(5);
 /// Messages that share one send description before it is retired.
 pub(crate) const SEND_BATCH: u32 = 64;
 /// A holder gives back slots it no longer uses in runs, once this many are waiting (or
@@ -99,6 +104,8 @@ struct State {
     send: Option<SendHold>,
     /// A holder's slots with no handle left here, still locked until the next flush.
     pending: Vec<u32>,
+    /// The creator's one-slot arena: since when it has had no handle here.
+    idle_since: Option<std::time::Instant>,
 }
 
 /// The description messages from this process carry, with the slots locked on it.
@@ -139,6 +146,7 @@ impl Arena {
                 exposed: if creator { vec![false; n] } else { Vec::new() },
                 send: None,
                 pending: Vec::new(),
+                idle_since: None,
             }),
         }
     }
@@ -261,6 +269,7 @@ impl Arena {
             }
         }
         st.local[i] = 1;
+        st.idle_since = None;
         true
     }
 
@@ -301,6 +310,22 @@ impl Arena {
         let mut st = self.state();
         let i = slot as usize;
         st.local[i] = st.local[i].saturating_sub(1);
+        if st.local[i] == 0 && self.creator && self.nslots == 1 && self.is_own() {
+            // A large storage of ours is freed: keep its arena for reuse only within bounds.
+            st.idle_since = Some(std::time::Instant::now());
+            drop(st);
+            let strategy = if self.seg.name().is_some() {
+                SharingStrategy::FileSystem
+            } else {
+                SharingStrategy::FileDescriptor
+            };
+            // Not if the allocator is busy (this very thread may be allocating): the next
+            // allocation applies the bounds then.
+            if let Ok(mut alloc) = allocator(strategy).try_lock() {
+                retire_large(&mut alloc, None);
+            }
+            return;
+        }
         if st.local[i] == 0 && !self.creator && self.is_own() {
             st.pending.push(slot);
             if self.nslots == 1
@@ -598,24 +623,40 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
             return Ok(Slot { arena, slot: 0 });
         }
     }
-    // Let go of the oldest free arenas beyond the retention bound.
-    let free: Vec<bool> = alloc.large.iter().map(|a| !a.in_use()).collect();
-    let mut free_bytes: usize =
-        alloc.large.iter().zip(&free).filter(|(_, f)| **f).map(|(a, _)| a.slot_size).sum();
-    let mut keep = free.iter();
-    alloc.large.retain(|a| {
-        let is_free = *keep.next().unwrap_or(&false);
-        if is_free && free_bytes > LARGE_RETAIN {
-            free_bytes -= a.slot_size;
-            return false;
-        }
-        true
-    });
+    retire_large(alloc, Some(want));
     let arena = Arc::new(Arena::create(want, 1, strategy)?);
     let claimed = arena.try_claim(0);
     debug_assert!(claimed);
     alloc.large.push(arena.clone());
     Ok(Slot { arena, slot: 0 })
+}
+
+/// Lets go of free one-slot arenas beyond the bounds of `LARGE_RETAIN`, oldest first,
+/// counting `coming` bytes about to be made.
+fn retire_large(alloc: &mut Allocator, coming: Option<usize>) {
+    let now = std::time::Instant::now();
+    let mut free_bytes = coming.unwrap_or(0);
+    let mut free_count = usize::from(coming.is_some());
+    // Newest first: the most recently used are the ones worth keeping.
+    let mut keep = vec![true; alloc.large.len()];
+    for (i, a) in alloc.large.iter().enumerate().rev() {
+        let idle = a.state().idle_since;
+        let Some(since) = idle else { continue }; // a handle here uses it
+        if a.in_use() {
+            continue; // another process still holds it
+        }
+        free_bytes += a.slot_size;
+        free_count += 1;
+        if a.slot_size > LARGE_RETAIN
+            || free_bytes > LARGE_RETAIN
+            || free_count > LARGE_RETAIN_COUNT
+            || now.duration_since(since) > LARGE_IDLE
+        {
+            keep[i] = false;
+        }
+    }
+    let mut k = keep.into_iter();
+    alloc.large.retain(|_| k.next().unwrap_or(true));
 }
 
 /// Lets go of every arena of this process whose slots are all free (their memory is

@@ -7,6 +7,8 @@ use tensorshare::{spawn, DType, Error, Queue, Tensor};
 
 tensorshare::enable_test_workers!();
 
+mod common;
+
 /// A put or a send that fails gives the value back: a tensor that could not be sent is not
 /// lost. A queue whose consumers are all gone answers `Disconnected` once it is full.
 #[test]
@@ -135,4 +137,27 @@ fn put_never_waits_for_messages_carrying_tensors_either() {
     .unwrap();
     assert_eq!(sums.get().unwrap(), 10.0 * 2.0 * (1 << 18) as f64);
     assert_eq!(ctx.join(None), Ok(true));
+}
+
+/// Dropping a large tensor gives its memory back: one over the retention bound goes at
+/// once, descriptor and all; one within it is kept warm for the next tensor of its size.
+/// (In a helper process, so that the descriptor count is this test's alone.)
+#[test]
+fn a_dropped_large_tensor_gives_its_memory_back() {
+    common::isolated_with(
+        |_rank, ()| {
+            let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+            let before = fds();
+            let big = Tensor::empty_shared(&[300 << 20], DType::U8).unwrap();
+            assert_eq!(fds(), before + 1, "one arena, one descriptor");
+            drop(big);
+            assert_eq!(fds(), before, "the freed 300 MiB arena was kept");
+            let warm = Tensor::empty_shared(&[64 << 20], DType::U8).unwrap();
+            let p = warm.storage().data_ptr();
+            drop(warm);
+            let again = Tensor::empty_shared(&[64 << 20], DType::U8).unwrap();
+            assert_eq!(again.storage().data_ptr(), p, "kept warm and reused");
+        },
+        (),
+    );
 }

@@ -138,7 +138,8 @@ impl Control {
                     0,
                     Some(&ts),
                 );
-                b.waiters.fetch_sub(1, Ordering::SeqCst);
+                // Saturating: a release may have reset the count meanwhile (see `release`).
+                let _ = b.waiters.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| w.checked_sub(1));
                 p = b.permits.load(Ordering::Acquire);
                 if p == 0 {
                     return false;
@@ -160,7 +161,13 @@ impl Control {
         }
         b.permits.fetch_add(1, Ordering::AcqRel);
         if b.waiters.load(Ordering::SeqCst) > 0 {
-            let _ = rustix::thread::futex::wake(&b.permits, rustix::thread::futex::Flags::empty(), 1);
+            // Nobody woken although the count says someone waits: the count is stale (a
+            // waiter was killed in its sleep). Reset it; a waiter that has counted itself but
+            // not slept yet cannot miss this release, since it sleeps only while no place is
+            // free, and it saturates its own decrement.
+            if rustix::thread::futex::wake(&b.permits, rustix::thread::futex::Flags::empty(), 1) == Ok(0) {
+                b.waiters.store(0, Ordering::SeqCst);
+            }
         }
     }
 }
@@ -195,4 +202,21 @@ fn locked_description(seg: &Segment) -> Result<OwnedFd> {
     let fd = seg.reopen()?;
     ofd_lock(fd.as_raw_fd(), libc::F_RDLCK as i16)?;
     Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A producer killed in its sleep leaves the waiter count raised: the next release that
+    /// wakes nobody puts it right, so later releases stop paying a futex call each.
+    #[test]
+    fn a_stale_waiter_count_heals_at_the_next_release() {
+        let c = Control::create(Some(2)).unwrap();
+        assert!(c.acquire(Duration::ZERO));
+        c.block().waiters.store(3, Ordering::SeqCst); // three sleepers, all since killed
+        c.release();
+        assert_eq!(c.block().waiters.load(Ordering::SeqCst), 0);
+        assert_eq!(c.block().permits.load(Ordering::SeqCst), 2);
+    }
 }
