@@ -120,3 +120,53 @@ fn shm_commands_fail_with_a_message_on_a_missing_directory() {
     assert!(!ok);
     assert!(err.contains("/nonexistent/tensorshare"), "{err}");
 }
+
+/// Runs `command` in a private mount namespace whose directory `dir` is a fresh 64 MiB
+/// tmpfs (Docker's default /dev/shm), or says why it cannot (not root, no `unshare`).
+fn in_64_mib_shm(command: &str) -> Option<std::process::Output> {
+    let dir =
+        std::env::temp_dir().join(format!("tensorshare-shm64-{}-{}", std::process::id(), command.len()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mount = format!("mount -t tmpfs -o size=64m tensorshare-test {}", dir.display());
+    let probe = Command::new("unshare").args(["-m", "sh", "-c", &mount]).output();
+    let out = match probe {
+        Ok(p) if p.status.success() => {
+            let script = format!("{mount} && TENSORSHARE_SHM_DIR={} exec {command}", dir.display());
+            Some(Command::new("unshare").args(["-m", "sh", "-c", &script]).output().expect("run unshare"))
+        }
+        Ok(p) => {
+            eprintln!(
+                "skipped: cannot mount a tmpfs in a private namespace: {}",
+                String::from_utf8_lossy(&p.stderr)
+            );
+            None
+        }
+        Err(e) => {
+            eprintln!("skipped: no unshare: {e}");
+            None
+        }
+    };
+    std::fs::remove_dir(&dir).unwrap();
+    out
+}
+
+/// The demo, and the dataloader example, with the file_system strategy in a container's
+/// 64 MiB /dev/shm: the pain of torch's DataLoader users ("bus error") is not ours.
+#[test]
+fn the_demo_and_the_dataloader_run_in_a_64_mib_dev_shm() {
+    let bin = env!("CARGO_BIN_EXE_tensorshare");
+    let Some(out) = in_64_mib_shm(&format!("{bin} demo --strategy file_system --batches 60")) else { return };
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("every batch checked: 60 of 60"), "{stdout}\n{stderr}");
+    // The example, built by `cargo test` beside this binary.
+    let example = std::path::Path::new(bin).parent().unwrap().join("examples/dataloader");
+    if !example.exists() {
+        eprintln!("skipped the dataloader example: {} is not built", example.display());
+        return;
+    }
+    let command = format!("env TENSORSHARE_SHARING_STRATEGY=file_system {}", example.display());
+    let Some(out) = in_64_mib_shm(&command) else { return };
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+}

@@ -44,7 +44,11 @@ const MIN_SLOT_SHIFT: u32 = 6;
 /// Largest pooled slot: 4 MiB. Larger storages get an arena of one slot.
 const MAX_SLOT_SHIFT: u32 = 22;
 const CLASSES: usize = (MAX_SLOT_SHIFT - MIN_SLOT_SHIFT + 1) as usize;
-/// Bytes of data in a pooled arena (more for the largest classes: at least 4 slots).
+/// Bytes of data in a class's first arena, doubled for each further one up to
+/// `ARENA_DATA` (and at least one slot): a few small tensors of many sizes then fit in a
+/// container's 64 MiB /dev/shm, while a program that makes many gets large arenas soon.
+const FIRST_ARENA_DATA: usize = 256 << 10;
+/// Bytes of data in a pooled arena, at most.
 const ARENA_DATA: usize = 8 << 20;
 const MAX_SLOTS: usize = 8192;
 /// Free one-slot arenas kept for reuse (so that a large tensor made again and again finds
@@ -594,7 +598,8 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
         }
     }
     let slot_size = 1usize << shift;
-    let nslots = (ARENA_DATA / slot_size).clamp(4, MAX_SLOTS);
+    let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
+    let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
     let arena = Arc::new(Arena::create(slot_size, nslots, strategy)?);
     let claimed = arena.try_claim(0);
     debug_assert!(claimed);
