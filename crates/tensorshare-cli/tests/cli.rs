@@ -170,3 +170,15 @@ fn the_demo_and_the_dataloader_run_in_a_64_mib_dev_shm() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{stdout}\n{stderr}");
 }
+
+/// With the file_descriptor strategy nothing is made in the shared-memory directory, so
+/// workers start where it is read-only or missing (it used to hold the cleanup group's lock).
+#[test]
+fn workers_start_without_a_usable_shared_memory_directory() {
+    let (ok, out, err) = tensorshare(
+        &["bench", "--json", "spawn", "2"],
+        &[("TENSORSHARE_SHM_DIR", "/nonexistent/tensorshare-shm")],
+    );
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("\"workload\": \"spawn\""), "{out}");
+}

@@ -96,9 +96,10 @@ where
 {
     refuse_if_unstarted();
     let name = entry_name::<J, A>()?;
-    // Workers belong to this process's cleanup group (see `shm::group`), whatever start
-    // method makes them: a forked worker shares the group lock's open file.
-    crate::shm::group::ensure()?;
+    // Workers belong to this process's cleanup group (see `shm::group`) when named segments
+    // are in use, whatever start method makes them: a forked worker shares the group lock's
+    // open file.
+    crate::shm::group::for_workers()?;
     let mut ctx = ProcessContext::new(Vec::with_capacity(nprocs));
     for rank in 0..nprocs {
         let (ours, theirs) = socket::pair()?;
@@ -153,8 +154,10 @@ fn start(job: OwnedFd, launch: Launch) -> Result<rustix::process::Pid> {
 /// Re-executes this binary as a worker (or fork server) of this process's cleanup group,
 /// with `fd` at descriptor 3 and `var` naming it.
 pub(crate) fn exec_worker(var: &str, fd: OwnedFd, invitation: &Invitation) -> Result<rustix::process::Pid> {
-    let root = crate::shm::group::ensure()?;
-    exec_helper(var, fd, invitation, &[(crate::shm::group::GROUP_ENV, root.to_string())])
+    match crate::shm::group::for_workers()? {
+        Some(root) => exec_helper(var, fd, invitation, &[(crate::shm::group::GROUP_ENV, root.to_string())]),
+        None => exec_helper(var, fd, invitation, &[]),
+    }
 }
 
 /// Re-executes this binary with `fd` at descriptor 3, `var` naming it and the invitation

@@ -179,9 +179,12 @@ pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
     die_with_parent(ppid);
     install_panic_hook();
     if exit == ExitKind::Normal {
-        // Join the parent's cleanup group (a forked worker shares its lock already).
-        if let Err(e) = crate::shm::group::ensure() {
-            eprintln!("tensorshare: worker {}: {e}", std::process::id());
+        // Join the parent's cleanup group, if it has one (a forked worker shares its lock
+        // already); a worker that uses named segments later founds or joins one then.
+        if std::env::var_os(crate::shm::group::GROUP_ENV).is_some() {
+            if let Err(e) = crate::shm::group::ensure() {
+                eprintln!("tensorshare: worker {}: {e}", std::process::id());
+            }
         }
     }
     // The job may close its socket's descriptor (or a program may close every descriptor

@@ -66,6 +66,20 @@ fn lock_shared(fd: &OwnedFd) -> Result<()> {
     }
 }
 
+/// The group new workers join, if named segments are in use in this process: its group
+/// (founded or joined before), or one founded now under the file_system strategy. `None`
+/// with the file_descriptor strategy and no group yet: nothing is made in the shared-memory
+/// directory, which may be read-only or absent then.
+pub(crate) fn for_workers() -> Result<Option<i32>> {
+    if let Some(root) = current() {
+        return Ok(Some(root));
+    }
+    if crate::get_sharing_strategy() == crate::SharingStrategy::FileSystem {
+        return ensure().map(Some);
+    }
+    Ok(None)
+}
+
 /// The root of this process's group, joining the inherited one or founding one.
 pub fn ensure() -> Result<i32> {
     let mut g = GROUP.lock().unwrap_or_else(|p| p.into_inner());
