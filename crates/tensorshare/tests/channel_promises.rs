@@ -161,3 +161,39 @@ fn a_dropped_large_tensor_gives_its_memory_back() {
         (),
     );
 }
+
+/// A receive that fails at the descriptor limit (the record's descriptors cut off) still
+/// frees the record's place in a bounded queue: the producer can put again.
+#[test]
+fn a_receive_that_fails_at_the_descriptor_limit_frees_its_place() {
+    let q: Queue<Tensor> = Queue::with_capacity(1).unwrap();
+    let (go, wait) = tensorshare::pipe::<String>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, wait): (Queue<Tensor>, tensorshare::Connection<String>)| {
+            // No new descriptor at all (the limit bounds descriptor numbers); those open
+            // already keep working.
+            let tight = rustix::process::Rlimit { current: Some(0), maximum: None };
+            let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+            rustix::process::setrlimit(
+                rustix::process::Resource::Nofile,
+                rustix::process::Rlimit { maximum: before.maximum, ..tight },
+            )
+            .unwrap();
+            let failed = q.get().unwrap_err().to_string();
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, before).unwrap();
+            wait.send(failed).unwrap();
+            let t = q.get().unwrap();
+            wait.send(format!("{:?}", t.to_vec::<f32>().unwrap())).unwrap();
+        },
+        (q.clone(), wait),
+        1,
+    )
+    .unwrap();
+    q.put(Tensor::full(&[4], 1.0f32)).unwrap();
+    let failed = go.recv().unwrap();
+    assert!(failed.contains("descriptor limit"), "{failed}");
+    // Its place is free again: a second put fits at once.
+    q.put_timeout(Tensor::full(&[4], 2.0f32), Duration::from_millis(20)).unwrap();
+    assert_eq!(go.recv().unwrap(), "[2.0, 2.0, 2.0, 2.0]");
+    assert_eq!(ctx.join(None), Ok(true));
+}

@@ -30,6 +30,8 @@ struct Block {
     permits: AtomicU32,
     /// Producers asleep on `permits`.
     waiters: AtomicU32,
+    /// The queue's capacity (UNBOUNDED: none).
+    capacity: AtomicU32,
 }
 
 pub(crate) struct Control {
@@ -47,6 +49,7 @@ impl Control {
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         let c = Control { seg: Arc::new(seg), hold };
         c.block().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
+        c.block().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
     }
 
@@ -110,6 +113,25 @@ impl Control {
         r != 0 || fl.l_type != libc::F_UNLCK as i16
     }
 
+    /// Gives every place back when the queue is empty and none is free: a consumer killed
+    /// between taking a record and giving its place back cannot lose that place for good.
+    /// `empty` says whether the queue's socket holds no record; it must have said so at the
+    /// start of the wait that found no place as well (the caller waited a whole slice).
+    pub(crate) fn restore_places(&self, empty: bool) {
+        let b = self.block();
+        let cap = b.capacity.load(Ordering::Relaxed);
+        if empty
+            && cap != UNBOUNDED
+            && b.permits.compare_exchange(0, cap, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        {
+            let _ = rustix::thread::futex::wake(
+                &b.permits,
+                rustix::thread::futex::Flags::empty(),
+                i32::MAX as u32,
+            );
+        }
+    }
+
     /// Takes a place in the queue, waiting up to `slice` for one. Returns whether it got one.
     pub(crate) fn acquire(&self, slice: Duration) -> bool {
         let b = self.block();
@@ -153,13 +175,15 @@ impl Control {
         }
     }
 
-    /// Gives a place back (after a `get`, or a failed `put`).
+    /// Gives a place back (after a `get`, or a failed `put`). Never beyond the capacity:
+    /// a place restored by `restore_places` and then released late is not counted twice.
     pub(crate) fn release(&self) {
         let b = self.block();
         if b.permits.load(Ordering::Relaxed) == UNBOUNDED {
             return;
         }
-        b.permits.fetch_add(1, Ordering::AcqRel);
+        let cap = b.capacity.load(Ordering::Relaxed);
+        let _ = b.permits.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| (p < cap).then_some(p + 1));
         if b.waiters.load(Ordering::SeqCst) > 0 {
             // Nobody woken although the count says someone waits: the count is stale (a
             // waiter was killed in its sleep). Reset it; a waiter that has counted itself but

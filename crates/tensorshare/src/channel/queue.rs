@@ -114,6 +114,7 @@ impl Core {
         loop {
             // Try once even when the deadline has passed (try_put, a zero timeout).
             let slice = deadline.slice();
+            let empty_before = self.is_empty();
             if self.control.acquire(slice.unwrap_or_default()) {
                 break;
             }
@@ -123,6 +124,9 @@ impl Core {
             if !self.others() {
                 return Err(Error::Disconnected);
             }
+            // No place for a whole slice, and the queue was empty all along: the places
+            // were lost (a consumer died holding one), not taken.
+            self.control.restore_places(empty_before && self.is_empty() && !self.outbox.pending());
         }
         let core = Arc::downgrade(self);
         let control = self.control.clone();
@@ -130,6 +134,11 @@ impl Core {
         Outgoing::new(msg)
             .and_then(|out| self.outbox.put(&self.tx, out, alive))
             .inspect_err(|_| self.control.release())
+    }
+
+    /// Whether no record waits in the queue's socket.
+    fn is_empty(&self) -> bool {
+        !socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true)
     }
 
     fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
@@ -293,5 +302,24 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// Puts a value; never waits. A failure gives the value back.
     pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
         self.core.put(value, Deadline::after(None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A consumer killed between taking a record and giving its place back took the place
+    /// with it; once the queue has stayed empty for a whole wait, the places come back.
+    #[test]
+    fn places_lost_with_dead_consumers_come_back() {
+        let q: Queue<u32> = Queue::with_capacity(2).unwrap();
+        let _consumer = q.clone();
+        // Two records taken, never given back: as if both consumers died at that moment.
+        assert!(q.core.control.acquire(Duration::ZERO) && q.core.control.acquire(Duration::ZERO));
+        q.put_timeout(1, Duration::from_secs(5)).unwrap();
+        q.put_timeout(2, Duration::from_secs(5)).unwrap();
+        assert!(q.try_put(3).unwrap_err().is_timeout(), "and never more than the capacity");
+        assert_eq!((q.get().unwrap(), q.get().unwrap()), (1, 2));
     }
 }
