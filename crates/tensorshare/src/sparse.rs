@@ -275,7 +275,7 @@ impl SparseTensor {
         let dense = Tensor::try_zeros(&self.size, dtype)?;
         let dstrides = contiguous_strides(&self.size);
         let vals = self.values.to_bytes()?;
-        let out = dense.storage().as_ptr();
+        let out = dense.storage().as_mut_ptr();
         let put = |dense_elem: usize, value_elem: usize, n: usize| {
             // SAFETY: dense_elem..+n indexes the fresh dense tensor (indices were range-checked
             // just below), value_elem..+n indexes `vals` (numel of values). The dense tensor

@@ -143,7 +143,7 @@ impl Storage {
     pub fn new_shared(len: usize) -> Result<Storage> {
         let s = Storage::empty_shared_with(len, get_sharing_strategy())?;
         // SAFETY: fresh storage, no other handle exists; `len` bytes are in bounds.
-        unsafe { std::ptr::write_bytes(s.as_ptr(), 0, len) };
+        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, len) };
         Ok(s)
     }
 
@@ -221,10 +221,19 @@ impl Storage {
         Ok(())
     }
 
-    /// The address of the first byte. Stable for a shared storage; for a private one it
-    /// changes once, when the storage is moved into shared memory. For a device storage,
-    /// the device address: not for the host to read or write.
-    pub fn as_ptr(&self) -> *mut u8 {
+    /// The address of the first byte, to read through. Stable for a shared storage; for a
+    /// private one it changes once, when the storage is moved into shared memory. For a
+    /// device storage, the device address: not for the host to read or write. Other
+    /// handles and processes may write these bytes at any time (see the crate's memory
+    /// model).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.as_mut_ptr()
+    }
+
+    /// [`Storage::as_ptr`], to write through. Every handle reaches the same bytes, so this
+    /// takes `&self`, as `UnsafeCell::get` does: what may be written when is the memory
+    /// model's business, not the borrow's.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
         match self.inner.shared.get() {
             Some(Shared::Slot(b)) => b.as_mut_ptr(),
             #[cfg(feature = "cuda")]
@@ -314,7 +323,7 @@ mod tests {
     fn share_memory_keeps_bytes_and_is_seen_by_every_handle() {
         let s = Storage::new(10);
         // SAFETY: 10 bytes, one handle.
-        unsafe { std::ptr::copy_nonoverlapping([1u8, 2, 3].as_ptr(), s.as_ptr(), 3) };
+        unsafe { std::ptr::copy_nonoverlapping([1u8, 2, 3].as_ptr(), s.as_mut_ptr(), 3) };
         let other = s.clone();
         s.share_memory().unwrap();
         assert!(other.is_shared());

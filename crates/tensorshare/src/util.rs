@@ -33,3 +33,37 @@ pub(crate) fn checked_mul(a: usize, b: usize, what: &str) -> crate::Result<usize
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// Fork safety for the library's own locks: each layer registers, when it makes a static
+/// mutex, a function that takes it; the process layer's `pthread_atfork` handler runs them
+/// all on the forking thread before a fork and drops the guards after it, so a child never
+/// finds one of them held by a thread that does not exist there. Nothing here reaches into
+/// another layer: the layers come to it.
+pub(crate) mod fork {
+    use std::any::Any;
+    use std::sync::Mutex;
+
+    /// Takes one layer's locks: pushes their guards.
+    pub(crate) type Guard = fn(&mut Vec<Box<dyn Any>>);
+
+    static GUARDS: Mutex<Vec<Guard>> = Mutex::new(Vec::new());
+
+    /// Registers a layer's guard (once per static: call it where the static is made).
+    pub(crate) fn guard(f: Guard) {
+        super::lock(&GUARDS).push(f);
+    }
+
+    /// Every registered guard's locks, taken in registration order, then the list's own
+    /// (a thread registering at the fork must not leave it locked in the child). The list
+    /// is not held while the others are taken: a thread making a layer's static registers
+    /// from inside that static's initialisation, which a guard may wait for.
+    pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
+        let fns: Vec<Guard> = super::lock(&GUARDS).clone();
+        let mut out: Vec<Box<dyn Any>> = Vec::new();
+        for f in fns {
+            f(&mut out);
+        }
+        out.push(Box::new(super::lock(&GUARDS)));
+        out
+    }
+}

@@ -25,7 +25,7 @@ const LEN: usize = 4096;
 const UNBOUNDED: u32 = u32::MAX;
 
 #[repr(C)]
-struct Block {
+struct Counters {
     /// Free places in the queue (UNBOUNDED: no limit).
     permits: AtomicU32,
     /// Producers asleep on `permits`.
@@ -48,8 +48,8 @@ impl Control {
         let seg = Segment::create(LEN, SharingStrategy::FileDescriptor)?;
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         let c = Control { seg: Arc::new(seg), hold };
-        c.block().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
-        c.block().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
+        c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
+        c.counters().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
     }
 
@@ -81,11 +81,11 @@ impl Control {
         Ok(h)
     }
 
-    fn block(&self) -> &Block {
+    fn counters(&self) -> &Counters {
         // SAFETY: the segment is at least LEN bytes (Segment checks what it maps),
-        // page-aligned, lives as long as self, and Block is two atomics: valid for any bit
+        // page-aligned, lives as long as self, and Counters is two atomics: valid for any bit
         // pattern and meant to be used by several processes at once.
-        unsafe { &*self.seg.as_ptr().cast::<Block>() }
+        unsafe { &*self.seg.as_ptr().cast::<Counters>() }
     }
 
     /// (device, inode): the queue's identity in every process.
@@ -118,7 +118,7 @@ impl Control {
     /// `empty` says whether the queue's socket holds no record; it must have said so at the
     /// start of the wait that found no place as well (the caller waited a whole slice).
     pub(crate) fn restore_places(&self, empty: bool) {
-        let b = self.block();
+        let b = self.counters();
         let cap = b.capacity.load(Ordering::Relaxed);
         if empty
             && cap != UNBOUNDED
@@ -134,7 +134,7 @@ impl Control {
 
     /// Takes a place in the queue, waiting up to `slice` for one. Returns whether it got one.
     pub(crate) fn acquire(&self, slice: Duration) -> bool {
-        let b = self.block();
+        let b = self.counters();
         let mut p = b.permits.load(Ordering::Acquire);
         // A consumer usually frees a place within microseconds: wait for it awake first, as
         // a sleep and a wake-up cost more than that.
@@ -178,7 +178,7 @@ impl Control {
     /// Gives a place back (after a `get`, or a failed `put`). Never beyond the capacity:
     /// a place restored by `restore_places` and then released late is not counted twice.
     pub(crate) fn release(&self) {
-        let b = self.block();
+        let b = self.counters();
         if b.permits.load(Ordering::Relaxed) == UNBOUNDED {
             return;
         }
@@ -238,9 +238,9 @@ mod tests {
     fn a_stale_waiter_count_heals_at_the_next_release() {
         let c = Control::create(Some(2)).unwrap();
         assert!(c.acquire(Duration::ZERO));
-        c.block().waiters.store(3, Ordering::SeqCst); // three sleepers, all since killed
+        c.counters().waiters.store(3, Ordering::SeqCst); // three sleepers, all since killed
         c.release();
-        assert_eq!(c.block().waiters.load(Ordering::SeqCst), 0);
-        assert_eq!(c.block().permits.load(Ordering::SeqCst), 2);
+        assert_eq!(c.counters().waiters.load(Ordering::SeqCst), 0);
+        assert_eq!(c.counters().permits.load(Ordering::SeqCst), 2);
     }
 }

@@ -21,8 +21,3 @@ pub use queue::{Queue, SimpleQueue};
 pub(crate) fn forget_after_fork() {
     queue::forget_registry();
 }
-
-/// Holds the queue registry's lock (see `process::atfork`).
-pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
-    queue::fork_guards(out);
-}

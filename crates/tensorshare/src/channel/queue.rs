@@ -39,11 +39,10 @@ type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
 
 fn registry() -> &'static Registry {
     static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
-pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
-    out.push(Box::new(lock(registry())));
+    R.get_or_init(|| {
+        crate::util::fork::guard(|out| out.push(Box::new(lock(registry()))));
+        Mutex::default()
+    })
 }
 
 /// Drops this process's record of which queues it has (see `channel::forget_after_fork`).

@@ -115,7 +115,7 @@ fn registry() -> MutexGuard<'static, Registry> {
         free: std::collections::VecDeque::new(),
         free_bytes: 0,
     });
-    R.lock().unwrap_or_else(|p| p.into_inner())
+    crate::util::lock(&R)
 }
 
 impl Registry {
@@ -197,7 +197,7 @@ impl Allocation {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::util::lock(&self.state)
     }
 
     /// The memory handle and a hold on the lease, to travel in a message.

@@ -42,7 +42,7 @@ struct Events {
 
 fn events() -> MutexGuard<'static, Events> {
     static E: std::sync::OnceLock<Mutex<Events>> = std::sync::OnceLock::new();
-    E.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner())
+    crate::util::lock(E.get_or_init(Default::default))
 }
 
 fn create(device: u32) -> Result<Arc<EventInner>> {

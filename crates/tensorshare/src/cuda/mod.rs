@@ -154,7 +154,7 @@ impl Tensor {
                 let a = device_alloc(self)?;
                 // SAFETY: the storage is fresh and private, `end - start` bytes long, and no
                 // other handle to it exists while the slice lives.
-                let dst = unsafe { std::slice::from_raw_parts_mut(host.as_ptr(), end - start) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr(), end - start) };
                 a.read(start, dst)?;
                 let view = Tensor::from_storage(
                     host,

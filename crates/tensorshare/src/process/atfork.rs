@@ -10,10 +10,8 @@ thread_local! {
 }
 
 extern "C" fn prepare() {
-    let mut guards: Vec<Box<dyn Any>> = Vec::new();
-    crate::arena::fork_guards(&mut guards);
-    crate::wire::fork_guards(&mut guards);
-    crate::channel::fork_guards(&mut guards);
+    // Each layer registered its own locks (see `util::fork`).
+    let guards = crate::util::fork::take_all();
     HELD.with(|h| *h.borrow_mut() = guards);
 }
 

@@ -20,7 +20,7 @@ static SERVER: Mutex<Option<Server>> = Mutex::new(None);
 
 /// Asks the fork server (started on first use) for a worker reading its job from `job`.
 pub(crate) fn start_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
-    let mut server = SERVER.lock().unwrap_or_else(|p| p.into_inner());
+    let mut server = crate::util::lock(&SERVER);
     for attempt in 0..2 {
         if server.is_none() {
             let (ours, theirs) = socket::pair()?;

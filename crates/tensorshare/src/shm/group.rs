@@ -82,7 +82,7 @@ pub(crate) fn for_workers() -> Result<Option<i32>> {
 
 /// The root of this process's group, joining the inherited one or founding one.
 pub fn ensure() -> Result<i32> {
-    let mut g = GROUP.lock().unwrap_or_else(|p| p.into_inner());
+    let mut g = crate::util::lock(&GROUP);
     if let Some(g) = g.as_ref() {
         return Ok(g.root);
     }
@@ -144,7 +144,7 @@ fn create_locked(root: i32) -> Result<OwnedFd> {
 /// does for sessions): its workers and segments are then cleaned up with it, whatever the
 /// process that started it does. Returns the new root (this process's pid).
 pub fn new_group() -> Result<i32> {
-    let mut g = GROUP.lock().unwrap_or_else(|p| p.into_inner());
+    let mut g = crate::util::lock(&GROUP);
     let me = rustix::process::getpid().as_raw_nonzero().get();
     if g.as_ref().is_some_and(|g| g.root == me) {
         return Ok(me);
@@ -156,12 +156,12 @@ pub fn new_group() -> Result<i32> {
 
 /// The pid of the cleaner this process started for its group, if it founded one.
 pub fn cleaner_pid() -> Option<i32> {
-    GROUP.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|g| g.cleaner)
+    crate::util::lock(&GROUP).as_ref().and_then(|g| g.cleaner)
 }
 
 /// The current group's root, if this process is in one.
 pub fn current() -> Option<i32> {
-    GROUP.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|g| g.root)
+    crate::util::lock(&GROUP).as_ref().map(|g| g.root)
 }
 
 /// Starts the cleaner of this process's group, whose lock file is `lock`.

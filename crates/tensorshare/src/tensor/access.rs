@@ -63,7 +63,7 @@ impl Tensor {
     /// is an element of this view (or the view's own offset for a view without elements),
     /// which `check_bounds`, run on every tensor's construction, keeps in the storage.
     pub(super) fn elem_ptr(&self, elem: usize) -> *mut u8 {
-        self.storage.as_ptr().wrapping_add(elem.wrapping_mul(self.dtype.size()))
+        self.storage.as_mut_ptr().wrapping_add(elem.wrapping_mul(self.dtype.size()))
     }
 
     /// Reads the elements of this host view in row-major order into a private buffer, a

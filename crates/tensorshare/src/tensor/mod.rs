@@ -144,7 +144,7 @@ impl Tensor {
         let storage = Storage::try_new(bytes.len())?;
         // SAFETY: the storage is fresh, private and exactly bytes.len() long; no other
         // handle to it exists yet.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_ptr(), bytes.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_mut_ptr(), bytes.len()) };
         Ok(Tensor::from_parts(storage, T::DTYPE, shape.to_vec()))
     }
 
@@ -330,7 +330,7 @@ impl Tensor {
             // SAFETY: both storages have len bytes. This tensor holds the only handle of the
             // old one (no other strong or weak reference) and `&mut self` excludes any other
             // use of it; the new one is reachable from nowhere else yet.
-            unsafe { std::ptr::copy_nonoverlapping(self.storage.as_ptr(), fresh.as_ptr(), fresh.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(self.storage.as_ptr(), fresh.as_mut_ptr(), fresh.len()) };
             self.storage = fresh;
         } else {
             self.storage.share_memory_with(strategy)?;

@@ -150,18 +150,16 @@ impl Cache {
 /// The process's cache.
 pub(crate) fn cache() -> MutexGuard<'static, Cache> {
     static CACHE: std::sync::OnceLock<Mutex<Cache>> = std::sync::OnceLock::new();
-    CACHE
-        .get_or_init(|| {
-            Mutex::new(Cache {
-                arenas: WeakMap::new(),
-                storages: WeakMap::new(),
-                recent: VecDeque::new(),
-                #[cfg(feature = "cuda")]
-                devices: WeakMap::new(),
-            })
+    crate::util::lock(CACHE.get_or_init(|| {
+        crate::util::fork::guard(|out| out.push(Box::new(cache())));
+        Mutex::new(Cache {
+            arenas: WeakMap::new(),
+            storages: WeakMap::new(),
+            recent: VecDeque::new(),
+            #[cfg(feature = "cuda")]
+            devices: WeakMap::new(),
         })
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    }))
 }
 
 /// Unmaps arenas that are kept mapped only for speed, so that their memory can be returned.

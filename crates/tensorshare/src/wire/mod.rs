@@ -28,11 +28,6 @@ pub(crate) use cache::release_cached_mappings;
 pub(crate) use decode::{decode, decode_fd};
 pub(crate) use encode::{encode, encode_fd};
 
-/// Holds the receive cache's lock (see `process::atfork`).
-pub(crate) fn fork_guards(out: &mut Vec<Box<dyn std::any::Any>>) {
-    out.push(Box::new(cache::cache()));
-}
-
 /// Something whose descriptor a message carries; kept alive until the message is sent.
 pub(crate) enum FdSource {
     Fd(Arc<OwnedFd>),

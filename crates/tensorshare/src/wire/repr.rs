@@ -91,7 +91,7 @@ impl<'de> Deserialize<'de> for Tensor {
             TensorIn::Value { data, meta } => {
                 let storage = Storage::new(data.0.len());
                 // SAFETY: the fresh private storage has exactly data.len() bytes.
-                unsafe { std::ptr::copy_nonoverlapping(data.0.as_ptr(), storage.as_ptr(), data.0.len()) };
+                unsafe { std::ptr::copy_nonoverlapping(data.0.as_ptr(), storage.as_mut_ptr(), data.0.len()) };
                 let n = crate::tensor::checked_numel(&meta.shape).map_err(super::de_error)?;
                 if n.checked_mul(meta.dtype.size()) != Some(data.0.len()) {
                     return Err(super::de_error(format!(
@@ -158,7 +158,7 @@ impl<'de> Deserialize<'de> for Storage {
             StorageIn::Value(b) => {
                 let s = Storage::new(b.0.len());
                 // SAFETY: the fresh private storage has exactly b.len() bytes.
-                unsafe { std::ptr::copy_nonoverlapping(b.0.as_ptr(), s.as_ptr(), b.0.len()) };
+                unsafe { std::ptr::copy_nonoverlapping(b.0.as_ptr(), s.as_mut_ptr(), b.0.len()) };
                 Ok(s)
             }
         }

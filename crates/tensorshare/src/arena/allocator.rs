@@ -1,0 +1,309 @@
+//! This process's arenas and how their slots are handed out: size classes of growing
+//! arenas, one-slot arenas for large storages kept for reuse within bounds, and trimming.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::{Arena, Slot, MAX_SLOTS, PAGE};
+use crate::util::lock;
+use crate::{Error, Result, SharingStrategy};
+
+/// Smallest slot: 64 bytes, so every storage is 64-byte aligned.
+const MIN_SLOT_SHIFT: u32 = 6;
+/// Largest pooled slot: 4 MiB. Larger storages get an arena of one slot.
+const MAX_SLOT_SHIFT: u32 = 22;
+const CLASSES: usize = (MAX_SLOT_SHIFT - MIN_SLOT_SHIFT + 1) as usize;
+/// Bytes of data in a class's first arena, doubled for each further one up to
+/// `ARENA_DATA` (and at least one slot): a few small tensors of many sizes then fit in a
+/// container's 64 MiB /dev/shm, while a program that makes many gets large arenas soon.
+const FIRST_ARENA_DATA: usize = 256 << 10;
+/// Bytes of data in a pooled arena, at most.
+const ARENA_DATA: usize = 8 << 20;
+/// Free one-slot arenas kept for reuse (so that a large tensor made again and again finds
+/// warm pages): at most this many bytes and this many arenas, none larger than
+/// `LARGE_RETAIN`, and none idle for longer than `LARGE_IDLE` at the next allocation or
+/// release of a large storage. Anything else goes back to the system when it is freed.
+const LARGE_RETAIN: usize = 256 << 20;
+const LARGE_RETAIN_COUNT: usize = 8;
+const LARGE_IDLE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Where this process's arenas are kept, one allocator per strategy.
+struct Allocator {
+    classes: Vec<ClassArenas>,
+    large: Vec<Arc<Arena>>,
+}
+
+#[derive(Default)]
+struct ClassArenas {
+    arenas: Vec<Arc<Arena>>,
+    /// Where the next search starts: (arena, slot). Slots tend to be freed in the order
+    /// they were taken, so the slot after the last one taken is the likeliest free one.
+    cursor: (usize, u32),
+}
+
+impl Allocator {
+    fn new() -> Allocator {
+        Allocator { classes: (0..CLASSES).map(|_| ClassArenas::default()).collect(), large: Vec::new() }
+    }
+
+    /// Forgets arenas inherited through fork: this process cannot hand their slots out.
+    fn drop_inherited(&mut self) {
+        for class in &mut self.classes {
+            if class.arenas.iter().any(|a| !a.is_own()) {
+                class.arenas.retain(|a| a.is_own());
+                class.cursor = (0, 0);
+            }
+        }
+        self.large.retain(|a| a.is_own());
+    }
+}
+
+fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
+    static FD: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
+    static FS: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
+    match strategy {
+        SharingStrategy::FileDescriptor => FD.get_or_init(|| {
+            crate::util::fork::guard(|out| {
+                out.push(Box::new(lock(allocator(SharingStrategy::FileDescriptor))))
+            });
+            Mutex::new(Allocator::new())
+        }),
+        SharingStrategy::FileSystem => FS.get_or_init(|| {
+            // Named arenas outlive the allocator's Rust values (statics are never dropped),
+            // so their files are removed when the process exits normally. Processes that
+            // hold them keep their memory through their descriptors.
+            OWNER.store(rustix::process::getpid().as_raw_nonzero().get(), Ordering::Relaxed);
+            // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
+            // statics; atexit has no other contract.
+            unsafe { libc::atexit(unlink_named_at_exit) };
+            crate::util::fork::guard(|out| out.push(Box::new(lock(allocator(SharingStrategy::FileSystem)))));
+            Mutex::new(Allocator::new())
+        }),
+    }
+}
+
+/// The process whose named arenas the allocator holds (a forked child inherits the
+/// allocator but must not remove its parent's files).
+static OWNER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn unlink_named_at_exit() {
+    if OWNER.load(Ordering::Relaxed) != rustix::process::getpid().as_raw_nonzero().get() {
+        return;
+    }
+    // Another thread may hold the lock while the process exits: then leave the files to the
+    // group's cleaner rather than deadlock in exit.
+    let Ok(alloc) = allocator(SharingStrategy::FileSystem).try_lock() else { return };
+    for arena in alloc.classes.iter().flat_map(|c| c.arenas.iter()).chain(alloc.large.iter()) {
+        if let Some(name) = arena.seg.name() {
+            crate::shm::unlink_name(name);
+        }
+    }
+}
+
+/// Allocates a slot of at least `len` bytes (`len > 0`) under `strategy`. The contents
+/// are unspecified: zero in a new arena, old bytes in a reused slot.
+pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
+    debug_assert!(len > 0);
+    let mut alloc = lock(allocator(strategy));
+    alloc.drop_inherited();
+    if len > 1 << MAX_SLOT_SHIFT {
+        return allocate_large(&mut alloc, len, strategy);
+    }
+    let shift = len.next_power_of_two().trailing_zeros().max(MIN_SLOT_SHIFT);
+    let class = &mut alloc.classes[(shift - MIN_SLOT_SHIFT) as usize];
+    let n = class.arenas.len();
+    let (start_arena, start_slot) = class.cursor;
+    // Search every arena once, starting at the cursor, wrapping around.
+    for i in 0..n {
+        let ai = (start_arena + i) % n;
+        let arena = &class.arenas[ai];
+        let first = if i == 0 { start_slot.min(arena.nslots) } else { 0 };
+        for s in (first..arena.nslots).chain(0..first) {
+            if arena.try_claim(s) {
+                class.cursor = (ai, s + 1);
+                return Ok(Slot { arena: arena.clone(), slot: s });
+            }
+        }
+    }
+    let slot_size = 1usize << shift;
+    let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
+    let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
+    let arena = Arc::new(Arena::create(slot_size, nslots, strategy)?);
+    let claimed = arena.try_claim(0);
+    debug_assert!(claimed);
+    class.arenas.push(arena.clone());
+    class.cursor = (class.arenas.len() - 1, 1);
+    Ok(Slot { arena, slot: 0 })
+}
+
+fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) -> Result<Slot> {
+    let want = len
+        .checked_next_multiple_of(PAGE)
+        .filter(|&w| w <= isize::MAX as usize)
+        .ok_or_else(|| Error::shape(format!("a shared storage of {len} bytes is too large")))?;
+    // Reuse a free arena that is big enough but not wastefully big, smallest first.
+    let mut fits: Vec<usize> = (0..alloc.large.len())
+        .filter(|&i| {
+            let a = &alloc.large[i];
+            a.slot_size >= want && a.slot_size / 2 <= want
+        })
+        .collect();
+    fits.sort_by_key(|&i| alloc.large[i].slot_size);
+    for i in fits {
+        if alloc.large[i].try_claim(0) {
+            let arena = alloc.large.remove(i);
+            alloc.large.push(arena.clone()); // most recently used last
+            return Ok(Slot { arena, slot: 0 });
+        }
+    }
+    retire_large(alloc, Some(want));
+    let arena = Arc::new(Arena::create(want, 1, strategy)?);
+    let claimed = arena.try_claim(0);
+    debug_assert!(claimed);
+    alloc.large.push(arena.clone());
+    Ok(Slot { arena, slot: 0 })
+}
+
+/// A one-slot arena of this process lost its last handle here: applies the bounds now,
+/// unless the allocator is busy (this very thread may be allocating), when the next
+/// allocation applies them.
+pub(super) fn large_freed(strategy: SharingStrategy) {
+    if let Ok(mut alloc) = allocator(strategy).try_lock() {
+        retire_large(&mut alloc, None);
+    }
+}
+
+/// Lets go of free one-slot arenas beyond the bounds of `LARGE_RETAIN`, oldest first,
+/// counting `coming` bytes about to be made.
+fn retire_large(alloc: &mut Allocator, coming: Option<usize>) {
+    let now = std::time::Instant::now();
+    let mut free_bytes = coming.unwrap_or(0);
+    let mut free_count = usize::from(coming.is_some());
+    // Newest first: the most recently used are the ones worth keeping.
+    let mut keep = vec![true; alloc.large.len()];
+    for (i, a) in alloc.large.iter().enumerate().rev() {
+        let idle = a.state().idle_since;
+        let Some(since) = idle else { continue }; // a handle here uses it
+        if a.in_use() {
+            continue; // another process still holds it
+        }
+        free_bytes += a.slot_size;
+        free_count += 1;
+        if a.slot_size > LARGE_RETAIN
+            || free_bytes > LARGE_RETAIN
+            || free_count > LARGE_RETAIN_COUNT
+            || now.duration_since(since) > LARGE_IDLE
+        {
+            keep[i] = false;
+        }
+    }
+    let mut k = keep.into_iter();
+    alloc.large.retain(|_| k.next().unwrap_or(true));
+}
+
+/// Lets go of every arena of this process whose slots are all free (their memory is
+/// returned once no other process maps them). Returns how many were let go.
+pub(crate) fn trim() -> usize {
+    let mut n = 0;
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        let mut alloc = lock(allocator(strategy));
+        alloc.drop_inherited();
+        for class in &mut alloc.classes {
+            let before = class.arenas.len();
+            class.arenas.retain(|a| a.in_use());
+            n += before - class.arenas.len();
+            class.cursor = (0, 0);
+        }
+        let before = alloc.large.len();
+        alloc.large.retain(|a| a.in_use());
+        n += before - alloc.large.len();
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::locks::{lock_range, runs};
+    use super::*;
+    use crate::shm::Segment;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn freed_slots_are_reused() {
+        let a = allocate(1000, SharingStrategy::FileDescriptor).unwrap();
+        let (arena, slot) = (a.arena.clone(), a.slot);
+        assert_eq!(a.capacity(), 1024);
+        drop(a);
+        // The freed slot comes back once the search wraps around to it.
+        let mut got = Vec::new();
+        let mut found = false;
+        for _ in 0..=arena.nslots() {
+            let b = allocate(1000, SharingStrategy::FileDescriptor).unwrap();
+            if Arc::ptr_eq(&b.arena, &arena) && b.slot == slot {
+                found = true;
+                break;
+            }
+            got.push(b);
+        }
+        assert!(found, "a freed slot was never handed out again");
+    }
+
+    #[test]
+    fn a_slot_locked_by_another_description_is_not_reused() {
+        let len = (29 << 20) + 5; // a size no other test asks for: its own one-slot arena
+        let a = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        let arena = a.arena.clone();
+        // A message takes the slot to another holder, which locks it on a description of
+        // its own and lets the message go.
+        let message = arena.send_hold(&[0]).unwrap();
+        let other = arena.seg.reopen().unwrap();
+        lock_range(other.as_fd(), 0, 1, libc::F_RDLCK).unwrap();
+        drop(message);
+        drop(a);
+        let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot another description holds was handed out");
+        drop(b);
+        drop(other); // the holder is gone: its lock with it
+        let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(Arc::ptr_eq(&c.arena, &arena), "the slot is free again once its holder is gone");
+    }
+
+    #[test]
+    fn a_sent_slot_stays_held_by_the_send_description_until_it_is_retired() {
+        let len = (31 << 20) + 7;
+        let a = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        let arena = a.arena.clone();
+        let message = arena.send_hold(&[0]).unwrap(); // a message in flight carries this
+        drop(a);
+        let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot a message in flight holds was handed out");
+        drop(b);
+        drop(message); // consumed: only the sender's retired description was left
+        let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
+        assert!(Arc::ptr_eq(&c.arena, &arena), "the slot comes back once the message is gone");
+    }
+
+    #[test]
+    fn runs_merge_adjacent_slots() {
+        let mut v = vec![7, 3, 4, 5, 9, 3, 10];
+        assert_eq!(runs(&mut v), vec![(3, 3), (7, 1), (9, 2)]);
+        assert!(runs(&mut Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn open_rejects_a_segment_that_is_not_an_arena() {
+        let seg = Segment::create(8192, SharingStrategy::FileDescriptor).unwrap();
+        let err = Arena::open(seg).unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    }
+
+    #[test]
+    fn open_rejects_a_header_larger_than_its_segment() {
+        let arena = Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap();
+        // SAFETY: test-only write of the slot count in our own fresh arena, which no other
+        // handle reads.
+        unsafe { arena.seg.as_mut_ptr().add(16).cast::<u32>().write(1 << 20) };
+        let err = Arena::open(arena.seg).unwrap_err();
+        assert!(err.to_string().contains("does not fit"), "{err}");
+    }
+}
