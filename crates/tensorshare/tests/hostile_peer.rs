@@ -397,3 +397,53 @@ fn named_truncation(_: ()) {
 fn a_truncated_named_segment_is_the_documented_limit_of_file_system() {
     checked!(named_truncation, (), ());
 }
+
+fn take_then_wait(_rank: usize, (q, got): (Queue<Tensor>, Queue<usize>)) {
+    let mut held = Vec::new();
+    while let Ok(t) = q.get() {
+        held.push(t);
+        got.put(held.len()).unwrap();
+    }
+}
+
+/// Peers killed at every step: holders SIGKILLed after taking 0, 1, 2, ... messages, with
+/// messages still in flight, over and over, while the creator keeps tensors of its own in
+/// the same arenas. Afterwards the creator's tensors hold what it wrote, every slot the dead
+/// held is free again, and nothing is left (the leak checker: no file, no descriptor).
+fn kills_at_every_step(strategy: SharingStrategy) {
+    tensorshare::set_sharing_strategy(strategy).unwrap();
+    let mine: Vec<Tensor> = (0..32)
+        .map(|i| {
+            let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            t.fill(i as f32).unwrap();
+            t
+        })
+        .collect();
+    for round in 0..12 {
+        let q: Queue<Tensor> = Queue::new().unwrap();
+        let got: Queue<usize> = Queue::new().unwrap();
+        let mut ctx = spawn(take_then_wait, (q.clone(), got.clone()), 1).unwrap();
+        for i in 0..round + 3 {
+            let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            t.fill(-(i as f32)).unwrap();
+            q.put(t).unwrap();
+        }
+        // Kill it once it holds `round % 4` of them, the rest still in flight.
+        let stop = round % 4;
+        while stop > 0 && got.get().unwrap() < stop {}
+        let pid = rustix::process::Pid::from_raw(ctx.pids()[0]).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+        assert_eq!(ctx.join(None).unwrap_err().signal_name(), Some("SIGKILL"));
+    }
+    for (i, t) in mine.iter().enumerate() {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == i as f32), "tensor {i} was overwritten");
+    }
+    drop(mine);
+    assert!(tensorshare::trim_arenas() >= 1, "the dead holders' slots are still held");
+}
+
+#[test]
+fn peers_killed_at_every_step_leave_nothing_behind() {
+    checked!(kills_at_every_step, SharingStrategy::FileDescriptor, SharingStrategy);
+    checked!(kills_at_every_step, SharingStrategy::FileSystem, SharingStrategy);
+}
