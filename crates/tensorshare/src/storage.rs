@@ -87,6 +87,14 @@ unsafe impl Sync for Inner {}
 /// arena; every process that received it maps the same pages, and writes through any
 /// handle, in any process, are seen through all of them.
 ///
+/// # Memory given back
+/// Dropping the last handle of a shared storage frees its slot at once in the process that
+/// made it (another process that still holds it keeps it, through a lock the kernel drops
+/// when that process lets go or dies). Arenas of small storages are kept for reuse; a large
+/// storage's arena is kept only within bounds (256 MiB and 8 arenas in all, none larger than
+/// 256 MiB, none idle past 5 s at the next allocation or free), so dropping a big tensor
+/// gives its memory back. [`crate::trim_arenas`] lets go of everything free.
+///
 /// # Aliasing
 /// Like torch, tensorshare lets many handles (clones, views, other processes) reach the
 /// same bytes. The safe ways to read and write them (a tensor's `to_vec`, `fill`,

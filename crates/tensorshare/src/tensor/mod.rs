@@ -53,6 +53,9 @@ pub enum TensorKind {
 /// `permute`, `reshape`) share the storage too; in a shared storage they alias it in every
 /// process that holds it. See the crate docs on what is safe to do with aliased memory.
 ///
+/// Sending a tensor that is not shared yet moves its storage into shared memory in place,
+/// for every handle (as torch does). Its memory is given back as [`Storage`] describes.
+///
 /// Every tensor's number of elements and byte size fit in `isize` (constructors check it),
 /// and every element it addresses lies in its storage.
 #[derive(Clone)]
