@@ -76,6 +76,8 @@ pub enum Error {
     Serialize(String),
     /// A worker process failed.
     #[error(transparent)]
+    // Upward, for a reason: the crate has one error type, and a worker's failure is one of
+    // its cases.
     Process(#[from] crate::process::ProcessError),
     /// A system call failed.
     #[error("{context}: {source}")]

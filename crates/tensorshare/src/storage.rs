@@ -62,6 +62,8 @@ pub(crate) enum Shared {
     Slot(Slot),
     /// A device allocation of its own.
     #[cfg(feature = "cuda")]
+    // Sideways, for a reason: a CUDA allocation is the other kind of memory a storage can
+    // stand on (`cuda` is a memory provider beside `shm`, behind its feature).
     Device(Box<crate::cuda::Allocation>),
 }
 

@@ -28,10 +28,7 @@ const MAX_TABLE: u32 = 1 << 16;
 const SPILLED: u8 = 1;
 const SIDE: u8 = 2;
 
-/// Environment variable: the largest message, in bytes, this process accepts (default
-/// 1 GiB). A message's bytes are read in place from a sealed mapping, so a larger claim is
-/// refused before anything is mapped or allocated.
-pub const MAX_MESSAGE_ENV: &str = "TENSORSHARE_MAX_MESSAGE_BYTES";
+pub use crate::shm::sealed::MAX_MESSAGE_ENV;
 
 fn max_message_bytes() -> u64 {
     static MAX: OnceLock<u64> = OnceLock::new();

@@ -47,6 +47,8 @@ pub(crate) use driver::{Export, IpcBytes};
 pub use event::Event;
 pub(crate) use event::{record_for_send, wait_received};
 
+// Upward, for a reason: this feature module adds device tensors, so it extends `Storage` and
+// `Tensor` (and, in `event`, lets an event travel in messages through `wire`).
 use crate::storage::Shared;
 use crate::tensor::checked_numel;
 use crate::{DType, Device, Error, Result, Storage, Tensor};

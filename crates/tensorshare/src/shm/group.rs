@@ -28,6 +28,8 @@ use rustix::fs::{FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 use super::{shm_dir, NAME_PREFIX};
+// Upward, for a reason: a group's cleaner is this executable re-executed, proven by the same
+// handshake as a worker, so starting one is the process layer's business.
 use crate::process::{self, Arrival, Invitation, Invited, Role};
 use crate::{Error, Result};
 

@@ -9,6 +9,11 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::{Error, Result};
 
+/// Environment variable: the largest message, in bytes, this process accepts (default
+/// 1 GiB). A message's bytes are read in place from a sealed mapping, so a larger claim is
+/// refused before anything is mapped or allocated.
+pub const MAX_MESSAGE_ENV: &str = "TENSORSHARE_MAX_MESSAGE_BYTES";
+
 const SEALS: SealFlags =
     SealFlags::WRITE.union(SealFlags::SHRINK).union(SealFlags::GROW).union(SealFlags::SEAL);
 
@@ -47,7 +52,7 @@ impl SealedBytes {
         if len > max {
             return Err(Error::invalid(format!(
                 "a message of {len} bytes is over this process's limit of {max} bytes (set {} to raise it)",
-                crate::channel::MAX_MESSAGE_ENV
+                MAX_MESSAGE_ENV
             )));
         }
         let seals = rustix::fs::fcntl_get_seals(&fd)
