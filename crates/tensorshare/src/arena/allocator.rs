@@ -12,6 +12,8 @@ use crate::{Error, Result, SharingStrategy};
 const MIN_SLOT_SHIFT: u32 = 6;
 /// Largest pooled slot: 4 MiB. Larger storages get an arena of one slot.
 const MAX_SLOT_SHIFT: u32 = 22;
+/// The largest size class's slot: larger storages get an arena of their own.
+pub(crate) const LARGEST_CLASS: usize = 1 << MAX_SLOT_SHIFT;
 const CLASSES: usize = (MAX_SLOT_SHIFT - MIN_SLOT_SHIFT + 1) as usize;
 /// Bytes of data in a class's first arena, doubled for each further one up to
 /// `ARENA_DATA` (and at least one slot): a few small tensors of many sizes then fit in a
@@ -118,10 +120,17 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
         let ai = (start_arena + i) % n;
         let arena = &class.arenas[ai];
         let first = if i == 0 { start_slot.min(arena.nslots) } else { 0 };
-        for s in (first..arena.nslots).chain(0..first) {
-            if arena.try_claim(s) {
-                class.cursor = (ai, s + 1);
-                return Ok(Slot { arena: arena.clone(), slot: s });
+        // From the cursor to the end, then from the start to the cursor.
+        for (from, to) in [(first, arena.nslots), (0, first)] {
+            let mut s = from;
+            while s < to {
+                match arena.try_claim(s) {
+                    Ok(()) => {
+                        class.cursor = (ai, s + 1);
+                        return Ok(Slot { arena: arena.clone(), slot: s });
+                    }
+                    Err(next) => s = next,
+                }
             }
         }
     }
@@ -129,7 +138,7 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
     let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
     let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
     let arena = Arc::new(Arena::create(slot_size, nslots, strategy)?);
-    let claimed = arena.try_claim(0);
+    let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
     class.arenas.push(arena.clone());
     class.cursor = (class.arenas.len() - 1, 1);
@@ -150,7 +159,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
         .collect();
     fits.sort_by_key(|&i| alloc.large[i].slot_size);
     for i in fits {
-        if alloc.large[i].try_claim(0) {
+        if alloc.large[i].try_claim(0).is_ok() {
             let arena = alloc.large.remove(i);
             alloc.large.push(arena.clone()); // most recently used last
             return Ok(Slot { arena, slot: 0 });
@@ -158,7 +167,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
     }
     retire_large(alloc, Some(want));
     let arena = Arc::new(Arena::create(want, 1, strategy)?);
-    let claimed = arena.try_claim(0);
+    let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
     alloc.large.push(arena.clone());
     Ok(Slot { arena, slot: 0 })

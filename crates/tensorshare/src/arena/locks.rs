@@ -45,6 +45,12 @@ pub(super) fn lock_range(fd: BorrowedFd<'_>, start: u32, len: u32, l_type: i32) 
 
 /// Whether slots `start..start + len` are free of every lock but those of `fd` itself.
 pub(super) fn range_free(fd: BorrowedFd<'_>, start: u32, len: u32) -> std::io::Result<bool> {
+    conflict(fd, start, len).map(|c| c.is_none())
+}
+
+/// A lock of another description on slots `start..start + len`, as (first slot, end), or
+/// None. (The kernel reports one such lock, not necessarily the first.)
+pub(super) fn conflict(fd: BorrowedFd<'_>, start: u32, len: u32) -> std::io::Result<Option<(u64, u64)>> {
     let mut fl = flock(libc::F_WRLCK, start, len);
     // SAFETY: F_OFD_GETLK reads and writes one valid struct flock through the pointer, which
     // lives across the call; `fd` is a valid descriptor.
@@ -52,5 +58,12 @@ pub(super) fn range_free(fd: BorrowedFd<'_>, start: u32, len: u32) -> std::io::R
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(fl.l_type == libc::F_UNLCK as i16)
+    if fl.l_type == libc::F_UNLCK as i16 {
+        return Ok(None);
+    }
+    let first = u64::try_from(fl.l_start).unwrap_or(0);
+    // A length of 0 means "to the end of the file".
+    let end =
+        if fl.l_len == 0 { u64::MAX } else { first.saturating_add(u64::try_from(fl.l_len).unwrap_or(0)) };
+    Ok(Some((first, end)))
 }

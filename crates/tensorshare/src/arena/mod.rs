@@ -39,7 +39,7 @@ use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
 pub(crate) use allocator::{allocate, trim};
-use locks::{lock_range, range_free, runs};
+use locks::{conflict, lock_range, range_free, runs};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA2");
 const PAGE: usize = 4096;
@@ -49,6 +49,9 @@ const DATA_OFFSET: usize = PAGE;
 const MAX_SLOTS: usize = 8192;
 /// Messages that share one send description before it is retired.
 pub(crate) const SEND_BATCH: u32 = 64;
+/// Slots locked on one send description before it is retired: messages of many storages
+/// each would otherwise keep thousands of slots held through one description.
+const SEND_SLOTS: usize = 256;
 /// A holder gives back slots it no longer uses in runs, once this many are waiting (or
 /// `PENDING_BYTES` of them), or all at once when it drops the arena.
 const PENDING_SLOTS: usize = 16;
@@ -109,6 +112,8 @@ struct SendHold {
     locked: Vec<bool>,
     /// Slots named by messages that carried it.
     sent: Vec<bool>,
+    /// How many slots are locked on it.
+    nlocked: usize,
     messages: u32,
 }
 
@@ -209,6 +214,11 @@ impl Arena {
         self.nslots
     }
 
+    /// Whether this is an arena of one storage larger than any size class.
+    pub(crate) fn is_large(&self) -> bool {
+        self.nslots == 1 && self.slot_size > allocator::LARGEST_CLASS
+    }
+
     /// Whether this arena object belongs to this process (not one inherited through fork).
     pub(crate) fn is_own(&self) -> bool {
         self.generation == FORK_GENERATION.load(Ordering::Relaxed)
@@ -229,12 +239,13 @@ impl Arena {
         unsafe { self.seg.as_mut_ptr().add(DATA_OFFSET + slot as usize * self.slot_size) }
     }
 
-    /// The creator takes a slot nobody uses (no handle here, no lock anywhere).
-    fn try_claim(&self, slot: u32) -> bool {
+    /// The creator takes a slot nobody uses (no handle here, no lock anywhere), or says
+    /// from which slot on it is worth asking again (past a run another holder locks).
+    fn try_claim(&self, slot: u32) -> std::result::Result<(), u32> {
         let mut st = self.state();
         let i = slot as usize;
         if st.local[i] != 0 {
-            return false;
+            return Err(slot + 1);
         }
         if st.exposed[i] {
             // Messages sent under the current send description may still carry the slot: let
@@ -248,22 +259,31 @@ impl Arena {
             let fd = st.send.as_ref().map_or(self.seg.fd(), |s| s.fd.as_fd());
             // One question for a run of slots: the allocator takes them in order.
             let run = CHECK_RUN.min(self.nslots - slot);
-            if matches!(range_free(fd, slot, run), Ok(true)) {
-                let sent = st.send.as_ref().map(|s| &s.sent[i..i + run as usize]);
-                for (j, e) in st.exposed[i..i + run as usize].iter_mut().enumerate() {
-                    if !sent.is_some_and(|s| s[j]) {
-                        *e = false;
+            match conflict(fd, slot, run) {
+                Ok(None) => {
+                    let sent = st.send.as_ref().map(|s| &s.sent[i..i + run as usize]);
+                    for (j, e) in st.exposed[i..i + run as usize].iter_mut().enumerate() {
+                        if !sent.is_some_and(|s| s[j]) {
+                            *e = false;
+                        }
                     }
                 }
-            } else if matches!(range_free(fd, slot, 1), Ok(true)) {
-                st.exposed[i] = false;
-            } else {
-                return false;
+                // A lock from this slot on: skip the whole run it covers.
+                Ok(Some((first, end))) if first <= u64::from(slot) => {
+                    return Err(u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1));
+                }
+                _ => match conflict(fd, slot, 1) {
+                    Ok(None) => st.exposed[i] = false,
+                    Ok(Some((_, end))) => {
+                        return Err(u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1))
+                    }
+                    Err(_) => return Err(slot + 1),
+                },
             }
         }
         st.local[i] = 1;
         st.idle_since = None;
-        true
+        Ok(())
     }
 
     /// One more handle of each of `slots` in this process (a slot may appear more than
@@ -303,7 +323,7 @@ impl Arena {
         let mut st = self.state();
         let i = slot as usize;
         st.local[i] = st.local[i].saturating_sub(1);
-        if st.local[i] == 0 && self.creator && self.nslots == 1 && self.is_own() {
+        if st.local[i] == 0 && self.creator && self.is_large() && self.is_own() {
             // A large storage of ours is freed: keep its arena for reuse only within bounds.
             st.idle_since = Some(std::time::Instant::now());
             drop(st);
@@ -316,6 +336,12 @@ impl Arena {
             return;
         }
         if st.local[i] == 0 && !self.creator && self.is_own() {
+            if self.nslots == 1 {
+                // A relay's send description would keep the arena's only slot locked for up
+                // to SEND_BATCH messages, and its creator would make a new arena meanwhile:
+                // let it go (messages in flight keep theirs).
+                st.send = None;
+            }
             st.pending.push(slot);
             if self.nslots == 1
                 || st.pending.len() >= PENDING_SLOTS
@@ -347,7 +373,7 @@ impl Arena {
             ));
         }
         let mut st = self.state();
-        if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH) {
+        if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH || s.nlocked >= SEND_SLOTS) {
             st.send = None;
         }
         if st.send.is_none() {
@@ -356,6 +382,7 @@ impl Arena {
                 fd: Arc::new(self.seg.reopen()?),
                 locked: vec![false; n],
                 sent: vec![false; n],
+                nlocked: 0,
                 messages: 0,
             });
         }
@@ -367,7 +394,10 @@ impl Arena {
             let len = if self.creator { len.max(CHECK_RUN).min(self.nslots - start) } else { len };
             lock_range(send.fd.as_fd(), start, len, libc::F_RDLCK)
                 .map_err(|e| Error::io("locking slots for a message (F_OFD_SETLK)", e))?;
-            send.locked[start as usize..(start + len) as usize].fill(true);
+            for l in &mut send.locked[start as usize..(start + len) as usize] {
+                send.nlocked += usize::from(!*l);
+                *l = true;
+            }
         }
         for &slot in slots {
             send.sent[slot as usize] = true;

@@ -232,13 +232,14 @@ impl Tensor {
             });
             return;
         }
-        // A chunk of the value repeated, stored over and over.
-        let pattern: Vec<u8> = value.iter().copied().cycle().take(CHUNK).collect();
+        // A chunk of the value repeated (by doubling copies, no longer than the view), stored
+        // over and over. CHUNK and the view's bytes are whole elements.
         let total = self.numel() * size;
+        let pattern = value.repeat((CHUNK.min(total) / size.max(1)).max(1));
         let base = self.elem_ptr(self.offset);
         let mut done = 0;
         while done < total {
-            let n = CHUNK.min(total - done);
+            let n = pattern.len().min(total - done);
             // SAFETY: the view is contiguous, so its total bytes start at its first element
             // and lie in the host storage, which `self` keeps alive; done + n <= total.
             // CHUNK is a multiple of the element size, so every chunk starts on an element.

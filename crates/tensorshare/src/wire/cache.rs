@@ -107,7 +107,7 @@ impl Cache {
     /// Keeps a pooled arena mapped for a while after its last storage here goes (a large
     /// one-slot arena is let go at once, so that its memory returns when it is freed).
     fn touch(&mut self, arena: &Arc<Arena>) {
-        if arena.nslots() == 1 || self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
+        if arena.is_large() || self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
             return;
         }
         if self.recent.len() == KEEP_MAPPED {
