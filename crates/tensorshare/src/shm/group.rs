@@ -34,7 +34,7 @@ use crate::process::{self, Arrival, Invitation, Invited, Role};
 use crate::{Error, Result};
 
 /// Names the group a worker joins: the root's pid.
-pub const GROUP_ENV: &str = "TENSORSHARE_SHM_GROUP";
+pub(crate) const GROUP_ENV: &str = "TENSORSHARE_SHM_GROUP";
 /// Set in a cleaner.
 const CLEANER_ENV: &str = "TENSORSHARE_SHM_CLEANER";
 
@@ -48,7 +48,7 @@ struct Group {
 static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 
 /// The lock file's name for the group of `root`.
-pub fn lock_name(root: i32) -> String {
+pub(crate) fn lock_name(root: i32) -> String {
     format!("{NAME_PREFIX}{root}_group")
 }
 
@@ -245,7 +245,7 @@ fn clean_when_dead(root: i32, proof: Vec<OwnedFd>) -> Result<()> {
 
 /// Removes (or, with `dry_run`, lists) every file of the group of `root`, the lock file
 /// last. Returns the names.
-pub fn remove_group(root: i32, dry_run: bool) -> Result<Vec<String>> {
+pub(crate) fn remove_group(root: i32, dry_run: bool) -> Result<Vec<String>> {
     let prefix = format!("{NAME_PREFIX}{root}_");
     let dir = shm_dir();
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -266,7 +266,7 @@ pub fn remove_group(root: i32, dry_run: bool) -> Result<Vec<String>> {
 
 /// Whether any process still holds the group of `root` (its lock file exists and is
 /// locked by a member).
-pub fn group_alive(root: i32) -> bool {
+pub(crate) fn group_alive(root: i32) -> bool {
     let Ok(lock) = open_lock(root) else { return false };
     match rustix::fs::flock(lock.as_fd(), FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => false, // closing `lock` releases it at once
