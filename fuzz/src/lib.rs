@@ -329,7 +329,7 @@ fn lines(file: &str) -> usize {
 pub fn after_execution() {
     static BASE: OnceLock<(usize, usize)> = OnceLock::new();
     let n = EXECUTIONS.fetch_add(1, Ordering::Relaxed) + 1;
-    if n % CHECK_EVERY != 0 {
+    if !n.is_multiple_of(CHECK_EVERY) {
         return;
     }
     let now = (entries("/proc/self/fd"), lines("/proc/self/maps"));
