@@ -24,6 +24,11 @@ const LEN: usize = 4096;
 /// `permits` value of a queue without a capacity.
 const UNBOUNDED: u32 = u32::MAX;
 
+/// What a control block holds in its last 8 bytes, written once by its creator: a received
+/// memfd without it (an arena, say) is not taken for a queue.
+const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE1");
+const MAGIC_AT: usize = LEN - 8;
+
 #[repr(C)]
 struct Counters {
     /// Free places in the queue (UNBOUNDED: no limit).
@@ -46,6 +51,9 @@ impl Control {
     /// A new control block for a queue of `capacity` places (None: unbounded).
     pub(crate) fn create(capacity: Option<u32>) -> Result<Control> {
         let seg = Segment::create(LEN, SharingStrategy::FileDescriptor)?;
+        // SAFETY: the segment is LEN bytes, page-aligned (so the word is aligned), and no
+        // other process or handle has seen it yet: this plain write races with nothing.
+        unsafe { seg.as_mut_ptr().add(MAGIC_AT).cast::<u64>().write(MAGIC) };
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         let c = Control { seg: Arc::new(seg), hold };
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
@@ -58,6 +66,13 @@ impl Control {
     pub(crate) fn open(received: OwnedFd) -> Result<Control> {
         let own = crate::shm::reopen(received.as_fd())?;
         let seg = Segment::from_fd(own, LEN)?;
+        // SAFETY: the mapping is at least LEN bytes and page-aligned, so the word lies in it
+        // and is aligned; a peer may write it at any time, so it is read once, volatile, as a
+        // plain integer (any bit pattern is valid) and only compared.
+        let magic = unsafe { seg.as_ptr().add(MAGIC_AT).cast::<u64>().read_volatile() };
+        if magic != MAGIC || seg.len() != LEN {
+            return Err(Error::invalid("a received queue's control block is not one (wrong size or magic)"));
+        }
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         drop(received);
         Ok(Control { seg: Arc::new(seg), hold })
@@ -234,6 +249,17 @@ mod tests {
 
     /// A producer killed in its sleep leaves the waiter count raised: the next release that
     /// wakes nobody puts it right, so later releases stop paying a futex call each.
+    /// A sealed memfd that is not a control block (an arena, or any page) is refused as one.
+    #[test]
+    fn a_memfd_that_is_not_a_control_block_is_refused() {
+        let page = Segment::create(LEN, SharingStrategy::FileDescriptor).unwrap();
+        let fd = page.fd().try_clone_to_owned().unwrap();
+        let err = Control::open(fd).err().expect("refused");
+        assert!(err.to_string().contains("control block"), "{err}");
+        let real = Control::create(None).unwrap();
+        assert!(Control::open(real.seg.fd().try_clone_to_owned().unwrap()).is_ok());
+    }
+
     #[test]
     fn a_stale_waiter_count_heals_at_the_next_release() {
         let c = Control::create(Some(2)).unwrap();
