@@ -1,6 +1,8 @@
 //! Pool: torch's test_fd_pool / test_fs_pool, and what its users need beyond them.
 
-use tensorshare::process::Pool;
+use std::time::Duration;
+
+use tensorshare::process::{AsyncResult, Pool};
 use tensorshare::{DType, Error, Failure, Queue, SharingStrategy, StartMethod, Tensor};
 
 tensorshare::enable_test_workers!();
@@ -110,7 +112,9 @@ fn sigkilled_worker(method: StartMethod) {
             if i == 3 {
                 match r {
                     Err(Error::Process(e)) => {
-                        assert_eq!(e.failure, Failure::Signaled { signal: 9, name: "SIGKILL".into() })
+                        assert_eq!(e.failure, Failure::Signaled { signal: 9, name: "SIGKILL".into() });
+                        assert_eq!(e.task, Some(3), "{method}: the error names the item");
+                        assert!(e.to_string().starts_with("task 3: process "), "{e}");
                     }
                     r => panic!("{method}: {r:?}"),
                 }
@@ -174,4 +178,168 @@ fn a_map_after_an_abandoned_imap_gets_its_own_results() {
     }
     told.put(()).unwrap();
     assert_eq!(p.map(|x: u32| x + 1, vec![5, 6, 7]).unwrap(), vec![6, 7, 8]);
+}
+
+fn panic_on_twelve(x: u32) -> u32 {
+    if x == 12 {
+        panic!("item {x} refused");
+    }
+    x * 2
+}
+
+#[test]
+fn chunks_keep_order_and_a_task_error_names_its_item_in_the_whole_input() {
+    let mut p = Pool::new(2).unwrap();
+    let pids = p.pids();
+    assert_eq!(
+        p.map_chunked(|x: u64| x * x, 0..100u64, 7).unwrap(),
+        (0..100u64).map(|x| x * x).collect::<Vec<_>>()
+    );
+    for chunk in [1, 5, 64] {
+        let results: Vec<_> = p.imap(panic_on_twelve, 0..30u32).chunksize(chunk).collect();
+        assert_eq!(results.len(), 30);
+        for (i, r) in results.iter().enumerate() {
+            if i == 12 {
+                match r {
+                    Err(Error::Process(e)) => {
+                        assert!(matches!(e.failure, Failure::Task { index: 12, .. }), "chunk {chunk}: {e:?}");
+                        assert_eq!(e.task, Some(12));
+                        assert!(e.to_string().starts_with("task 12 failed in process"), "{e}");
+                    }
+                    r => panic!("chunk {chunk}: {r:?}"),
+                }
+            } else {
+                assert_eq!(r.as_ref().unwrap(), &(i as u32 * 2), "chunk {chunk}, item {i}");
+            }
+        }
+        let mut any: Vec<u64> =
+            p.imap_unordered(|x: u64| x + 1, 0..40u64).chunksize(chunk).map(|r| r.unwrap()).collect();
+        any.sort();
+        assert_eq!(any, (1..=40u64).collect::<Vec<_>>());
+    }
+    assert_eq!(p.pids(), pids, "no worker died of a panicking task");
+}
+
+#[test]
+fn a_worker_that_dies_in_a_chunk_names_the_item_it_ran() {
+    for method in [StartMethod::Spawn, StartMethod::Fork] {
+        common::isolated(|_rank, method: StartMethod| died_in_a_chunk(method), method);
+    }
+}
+
+fn died_in_a_chunk(method: StartMethod) {
+    common::allow_fork_in_helper();
+    let mut p = Pool::with_method(2, method).unwrap();
+    // Chunks [0, 1, 2], [3, 4, 5], [6, 7]: item 3 kills its worker before 4 and 5 run.
+    let results: Vec<_> = p.imap(die_on_three, 0..8u32).chunksize(3).collect();
+    for (i, r) in results.iter().enumerate() {
+        match (i, r) {
+            (3, Err(Error::Process(e))) => {
+                assert_eq!(e.failure, Failure::Signaled { signal: 9, name: "SIGKILL".into() }, "{method}");
+                assert_eq!(e.task, Some(3), "{method}");
+            }
+            (4 | 5, Err(Error::Process(e))) => {
+                assert_eq!(e.task, Some(i), "{method}");
+                match &e.failure {
+                    Failure::Lost { reason } => assert!(reason.contains("died running item 3"), "{reason}"),
+                    f => panic!("{method}: item {i}: {f:?}"),
+                }
+            }
+            (3..=5, r) => panic!("{method}: item {i}: {r:?}"),
+            (_, r) => assert_eq!(r.as_ref().unwrap(), &(i as u32 * 10), "{method}: item {i}"),
+        }
+    }
+    assert_eq!(p.map_chunked(|x: u32| x + 1, 0..10u32, 4).unwrap(), (1..=10u32).collect::<Vec<_>>());
+}
+
+#[test]
+fn starmap_applies_tuples_as_arguments() {
+    let mut p = Pool::new(2).unwrap();
+    let items: Vec<(u32, String)> = (0..6).map(|i| (i, format!("n{i}"))).collect();
+    let got = p.starmap(|a: u32, b: String| format!("{b}={a}"), items).unwrap();
+    assert_eq!(got, (0..6).map(|i| format!("n{i}={i}")).collect::<Vec<_>>());
+    let sums: Vec<u64> = p
+        .istarmap(|a: u64, b: u64, c: u64| a + b + c, (0..20u64).map(|i| (i, i, 1)))
+        .chunksize(3)
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(sums, (0..20u64).map(|i| 2 * i + 1).collect::<Vec<_>>());
+    assert_eq!(p.starmap(|a: i8| -a, vec![(1,), (2,)]).unwrap(), vec![-1, -2]);
+}
+
+fn hundred_times_once_told((x, told): (u32, Queue<()>)) -> u32 {
+    told.get().unwrap();
+    x * 100
+}
+
+#[test]
+fn apply_async_results_in_flight_with_a_map_are_not_confused() {
+    let mut p = Pool::new(2).unwrap();
+    let told: Queue<()> = Queue::new().unwrap();
+    // `held` occupies one worker until told; `quick` and the map share the other one.
+    let mut held: AsyncResult<u32> = p.apply_async(hundred_times_once_told, (7u32, told.clone())).unwrap();
+    let quick: AsyncResult<u32> = p.apply_async(|x: u32| x + 1, 5u32).unwrap();
+    assert_eq!(p.map(|x: u32| x * 2, 0..20u32).unwrap(), (0..20u32).map(|x| x * 2).collect::<Vec<_>>());
+    assert!(!held.ready(), "held waits for its queue");
+    assert_eq!(quick.get().unwrap(), 6);
+    told.put(()).unwrap();
+    held.wait();
+    assert!(held.ready());
+    assert_eq!(held.get().unwrap(), 700);
+    let failing = p.apply_async(panic_on_twelve, 12u32).unwrap();
+    match failing.get() {
+        Err(Error::Process(e)) => assert!(matches!(e.failure, Failure::Task { index: 0, .. }), "{e:?}"),
+        r => panic!("{r:?}"),
+    }
+}
+
+#[test]
+fn get_timeout_times_out_on_a_task_that_waits_on_a_queue() {
+    let p = Pool::new(1).unwrap();
+    let told: Queue<()> = Queue::new().unwrap();
+    let mut r = p.apply_async(hundred_times_once_told, (3u32, told.clone())).unwrap();
+    assert!(matches!(r.get_timeout(Duration::from_millis(50)), Err(Error::Timeout)));
+    assert!(!r.wait_timeout(Duration::from_millis(1)));
+    told.put(()).unwrap();
+    assert_eq!(r.get_timeout(Duration::from_secs(60)).unwrap(), 300);
+    assert!(r.get_timeout(Duration::from_secs(1)).is_err(), "the value is given once");
+}
+
+fn tag_from_init(_: u8) -> String {
+    std::env::var("POOL_TAG").unwrap()
+}
+
+fn die_now(_: u8) -> String {
+    rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL).unwrap();
+    unreachable!()
+}
+
+#[test]
+fn an_initializer_with_arguments_runs_in_every_worker_and_in_a_replacement() {
+    for method in [StartMethod::Spawn, StartMethod::Fork] {
+        common::isolated(|_rank, method: StartMethod| initializer_with_args(method), method);
+    }
+}
+
+fn initializer_with_args(method: StartMethod) {
+    common::allow_fork_in_helper();
+    let mut p = Pool::builder(2)
+        .method(method)
+        .initializer(
+            |rank, (tag, n): (String, u32)| std::env::set_var("POOL_TAG", format!("{tag}{n}/{rank}")),
+            ("seen".to_string(), 7u32),
+        )
+        .build()
+        .unwrap();
+    // Two items on two idle workers: each worker gets one.
+    let mut tags = p.map(tag_from_init, [0u8, 0]).unwrap();
+    tags.sort();
+    assert_eq!(tags, ["seen7/0", "seen7/1"], "{method}");
+    let before = p.pids();
+    assert!(p.map(die_now, [0u8]).is_err());
+    let after = p.pids();
+    assert_ne!(before[0], after[0], "{method}: worker 0 was replaced");
+    let mut tags = p.map(tag_from_init, [0u8, 0]).unwrap();
+    tags.sort();
+    assert_eq!(tags, ["seen7/0", "seen7/1"], "{method}: the replacement ran the initializer");
 }

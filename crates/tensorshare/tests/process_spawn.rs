@@ -313,6 +313,7 @@ fn test_errors_pickleable() {
     let err = ProcessError {
         rank: 3,
         pid: 42,
+        task: None,
         failure: Failure::Raised { message: "m".into(), location: Some("f.rs:1:2".into()), backtrace: None },
     };
     let bytes = postcard::to_allocvec(&err).unwrap();
@@ -331,4 +332,18 @@ fn a_job_that_exits_zero_is_reported_not_hung() {
     let mut ctx = start_processes(exit_zero_job, (), 1, StartMethod::Spawn).unwrap();
     let err = ctx.join(None).unwrap_err();
     assert!(matches!(err.failure, Failure::Unreported { .. }), "{err:?}");
+}
+
+#[test]
+fn closure_captures_clones_and_names_its_return_type() {
+    let weights = vec![10u32, 20];
+    let q: Queue<u32> = Queue::new().unwrap();
+    let job = tensorshare::closure!([w = weights.clone(), q = q.clone()] |rank, _: ()| -> Result<(), String> {
+        q.put(w[rank]).map_err(|e| e.to_string())
+    });
+    let mut ctx = tensorshare::spawn(job, (), 2).unwrap();
+    let mut got = vec![q.get().unwrap(), q.get().unwrap()];
+    got.sort();
+    assert_eq!(got, weights, "the caller still has its own copy");
+    assert_eq!(ctx.join(None), Ok(true));
 }

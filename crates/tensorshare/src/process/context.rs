@@ -174,6 +174,7 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
             c.outcome = Some(Some(ProcessError {
                 rank: c.rank,
                 pid: c.pid.as_raw_nonzero().get(),
+                task: None,
                 failure: Failure::Lost { reason: format!("waitid failed: {e}") },
             }));
             return;
@@ -204,6 +205,7 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
     c.outcome = Some(failure.map(|failure| ProcessError {
         rank: c.rank,
         pid: c.pid.as_raw_nonzero().get(),
+        task: None,
         failure,
     }));
 }

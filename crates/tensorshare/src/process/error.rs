@@ -59,6 +59,11 @@ pub struct ProcessError {
     pub rank: usize,
     /// Its process id.
     pub pid: i32,
+    /// For a [`Pool`](crate::Pool) task, the index of its item among the items of its call
+    /// (`map`, `imap`, `starmap`; 0 for `apply_async`), whether the worker survived the
+    /// task ([`Failure::Task`]) or died of it; `None` for a worker of `spawn`.
+    #[serde(default)]
+    pub task: Option<usize>,
     /// What happened.
     pub failure: Failure,
 }
@@ -94,6 +99,9 @@ impl ProcessError {
 impl std::fmt::Display for ProcessError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let rank = self.rank;
+        if let (Some(index), false) = (self.task, matches!(self.failure, Failure::Task { .. })) {
+            write!(f, "task {index}: ")?;
+        }
         match &self.failure {
             Failure::Exited { code } => write!(f, "process {rank} terminated with exit code {code}"),
             Failure::Signaled { name, .. } => write!(f, "process {rank} terminated with signal {name}"),
@@ -162,10 +170,21 @@ mod tests {
 
     #[test]
     fn texts_match_torch() {
-        let e = ProcessError { rank: 0, pid: 1, failure: Failure::Exited { code: 123 } };
+        let e = ProcessError { rank: 0, pid: 1, task: None, failure: Failure::Exited { code: 123 } };
         assert_eq!(e.to_string(), "process 0 terminated with exit code 123");
-        let e =
-            ProcessError { rank: 0, pid: 1, failure: Failure::Signaled { signal: 6, name: signal_name(6) } };
+        let e = ProcessError {
+            rank: 0,
+            pid: 1,
+            task: None,
+            failure: Failure::Signaled { signal: 6, name: signal_name(6) },
+        };
         assert_eq!(e.to_string(), "process 0 terminated with signal SIGABRT");
+    }
+
+    #[test]
+    fn a_pool_task_whose_worker_died_names_its_item() {
+        let failure = Failure::Signaled { signal: 9, name: signal_name(9) };
+        let e = ProcessError { rank: 1, pid: 7, task: Some(3), failure };
+        assert_eq!(e.to_string(), "task 3: process 1 terminated with signal SIGKILL");
     }
 }

@@ -142,18 +142,35 @@ where
 /// listed variables are moved into the job and must be serializable (tensors and queues
 /// included); the body may use them and nothing else from outside.
 ///
+/// A capture may be initialised with an expression, evaluated where the closure is made
+/// (`[w = w.clone()]` keeps `w` usable there), and the closure may name its return type,
+/// which then needs a block body:
+///
 /// ```
 /// let scale = 2.0f32;
-/// let job = tensorshare::closure!([scale] |rank, x: f32| {
-///     let _ = (rank, x * scale);
+/// let w = vec![1.0f32, 2.0];
+/// let job = tensorshare::closure!([scale, w = w.clone()] |rank, x: f32| -> Result<(), String> {
+///     if w.len() < rank { return Err("no weight for this rank".into()) }
+///     let _ = x * scale;
+///     Ok(())
 /// });
-/// # let _ = job;
+/// # let _ = (job, w);
 /// ```
 #[macro_export]
 macro_rules! closure {
-    ([$($cap:ident),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| $body:expr) => {
+    ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| -> $ret:ty $body:block) => {
         $crate::process::Captured::new(
-            ($($cap,)*),
+            ($($crate::closure!(@capture $cap $(= $init)?),)*),
+            |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| -> $ret {
+                #[allow(unused_variables)]
+                let ($($cap,)*) = __tensorshare_state;
+                $body
+            },
+        )
+    };
+    ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| $body:expr) => {
+        $crate::process::Captured::new(
+            ($($crate::closure!(@capture $cap $(= $init)?),)*),
             |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| {
                 #[allow(unused_variables)]
                 let ($($cap,)*) = __tensorshare_state;
@@ -161,14 +178,21 @@ macro_rules! closure {
             },
         )
     };
+    (@capture $cap:ident) => {
+        $cap
+    };
+    (@capture $cap:ident = $init:expr) => {
+        $init
+    };
 }
 
 /// The worker side of a job: decodes `(rank, state, args)` from the job record and runs.
 pub(crate) type Entry = fn(Record) -> JobResult;
-/// The worker side of a pool task: decodes the item, runs, encodes the result.
-pub(crate) type TaskEntry = fn(Record) -> std::result::Result<wire::Encoded, String>;
-/// A pool's initializer, run with the worker's rank.
-pub(crate) type InitEntry = fn(usize);
+/// The worker side of a pool task: decodes a chunk of `count` items, runs each, and hands
+/// each item's encoded outcome to `emit` as soon as it is done.
+pub(crate) type TaskEntry = fn(Record, usize, &mut dyn FnMut(wire::Encoded) -> JobResult) -> JobResult;
+/// A pool's initializer, run with the worker's rank and the record of its arguments.
+pub(crate) type InitEntry = fn(usize, Record) -> JobResult;
 
 pub(crate) fn entry<J: Job<A>, A: DeserializeOwned>(record: Record) -> JobResult {
     let (rank, state, args): (usize, J::State, A) =
