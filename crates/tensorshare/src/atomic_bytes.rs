@@ -111,6 +111,31 @@ pub(crate) unsafe fn store(dst: *mut u8, src: &[u8]) {
     }
 }
 
+/// Writes `len` bytes at `dst` with the 8-byte pattern `word`, byte `k` of it at every
+/// address equal to `k` modulo 8: a fill of elements whose size divides 8, in storage
+/// memory (aligned to 8), is one such pattern. The words in between are one relaxed store
+/// each, in a tight loop; the partial words at both ends keep their other bytes.
+///
+/// # Safety
+/// As `store`: `dst..dst + len` must lie in one host storage's bytes, which live for the
+/// call.
+pub(crate) unsafe fn fill(dst: *mut u8, len: usize, word: [u8; WORD]) {
+    let (head, body, tail) = split(dst as usize, len);
+    let at = dst as usize % WORD;
+    let value = u64::from_ne_bytes(word);
+    // SAFETY: the three parts cover dst..dst + len, in the storage (the caller's contract);
+    // the head lies in the word of `dst` from byte `at` on (at + head <= WORD), the body
+    // starts on a word boundary and holds body / WORD whole words, the tail lies in one word.
+    unsafe {
+        store_in_word(dst, &word[at..at + head]);
+        let words = dst.add(head).cast::<u64>();
+        for k in 0..body / WORD {
+            AtomicU64::from_ptr(words.add(k)).store(value, Ordering::Relaxed);
+        }
+        store_in_word(dst.add(head + body), &word[..tail]);
+    }
+}
+
 /// `store` of a range that lies in one word (possibly empty): a compare-exchange, so that
 /// concurrent writes of the word's other bytes are kept.
 ///

@@ -67,3 +67,30 @@ pub(crate) mod fork {
         out
     }
 }
+
+static PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Forgets the cached pid: a child made by a raw `clone` (which runs no `pthread_atfork`
+/// handler) calls it first thing.
+pub(crate) extern "C" fn forget_pid() {
+    PID.store(0, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// This process's pid without a syscall each time (glibc no longer caches it): cached, and
+/// forgotten in a forked child.
+pub(crate) fn pid() -> i32 {
+    use std::sync::atomic::Ordering;
+    let p = PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the child handler is a plain extern "C" fn that does one atomic store,
+        // which is async-signal-safe and valid in a child that has only the forking thread.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_pid)) };
+    });
+    let p = rustix::process::getpid().as_raw_nonzero().get();
+    PID.store(p, Ordering::Relaxed);
+    p
+}

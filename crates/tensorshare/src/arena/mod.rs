@@ -63,7 +63,9 @@ const CHECK_RUN: u32 = 64;
 /// own: it shares its parent's descriptions (and so their locks) and must not touch them.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 
-extern "C" fn forked_child() {
+/// Marks this process as a forked child (run by `pthread_atfork`, and by hand in a child of
+/// a raw `clone`).
+pub(crate) extern "C" fn forked_child() {
     FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
 }
 

@@ -147,6 +147,24 @@ impl Control {
         }
     }
 
+    /// Takes a place if one is free now (never waits).
+    pub(crate) fn try_acquire(&self) -> bool {
+        let b = self.counters();
+        let mut p = b.permits.load(Ordering::Acquire);
+        loop {
+            if p == UNBOUNDED {
+                return true;
+            }
+            if p == 0 {
+                return false;
+            }
+            match b.permits.compare_exchange_weak(p, p - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => p = now,
+            }
+        }
+    }
+
     /// Takes a place in the queue, waiting up to `slice` for one. Returns whether it got one.
     pub(crate) fn acquire(&self, slice: Duration) -> bool {
         let b = self.counters();
@@ -233,7 +251,7 @@ fn flock(l_type: i16) -> libc::flock {
 }
 
 fn getpid() -> i32 {
-    rustix::process::getpid().as_raw_nonzero().get()
+    crate::util::pid()
 }
 
 /// A new description of the block, read-locked: a hold that lasts as long as it does.

@@ -187,5 +187,5 @@ impl Outbox {
 }
 
 fn getpid() -> i32 {
-    rustix::process::getpid().as_raw_nonzero().get()
+    crate::util::pid()
 }

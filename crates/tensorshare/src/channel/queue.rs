@@ -110,12 +110,15 @@ impl Core {
 
     fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
         let msg = wire::encode(value)?;
-        loop {
+        // A free place (an unbounded queue always has one): no syscall.
+        let mut placed = self.control.try_acquire();
+        while !placed {
             // Try once even when the deadline has passed (try_put, a zero timeout).
             let slice = deadline.slice();
             let empty_before = self.is_empty();
             if self.control.acquire(slice.unwrap_or_default()) {
-                break;
+                placed = true;
+                continue;
             }
             if slice.is_none() {
                 return Err(Error::Timeout);

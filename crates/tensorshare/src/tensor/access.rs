@@ -232,20 +232,18 @@ impl Tensor {
             });
             return;
         }
-        // A chunk of the value repeated (by doubling copies, no longer than the view), stored
-        // over and over. CHUNK and the view's bytes are whole elements.
+        // Element sizes divide 8 and storages are 64-byte aligned, so every word of the view
+        // holds the same bytes: one pattern word, stored word by word.
         let total = self.numel() * size;
-        let pattern = value.repeat((CHUNK.min(total) / size.max(1)).max(1));
-        let base = self.elem_ptr(self.offset);
-        let mut done = 0;
-        while done < total {
-            let n = pattern.len().min(total - done);
-            // SAFETY: the view is contiguous, so its total bytes start at its first element
-            // and lie in the host storage, which `self` keeps alive; done + n <= total.
-            // CHUNK is a multiple of the element size, so every chunk starts on an element.
-            unsafe { atomic_bytes::store(base.add(done), &pattern[..n]) };
-            done += n;
+        let mut word = [0u8; 8];
+        for (k, b) in word.iter_mut().enumerate() {
+            *b = value[k % size];
         }
+        // SAFETY: the view is contiguous, so its total bytes start at its first element and
+        // lie in the host storage (check_bounds, check_cpu by the caller), which `self` keeps
+        // alive; element k of the view starts at an address equal to k * size modulo 8
+        // (aligned storage, whole-element offset), so `word` holds its bytes at their places.
+        unsafe { atomic_bytes::fill(self.elem_ptr(self.offset), total, word) };
     }
 
     /// Copies the elements of `self` into `dst` (same shape and dtype, any strides; the two
