@@ -170,6 +170,9 @@ fn a_receive_that_fails_at_the_descriptor_limit_frees_its_place() {
     let (go, wait) = tensorshare::pipe::<String>().unwrap();
     let mut ctx = spawn(
         |_rank, (q, wait): (Queue<Tensor>, tensorshare::Connection<String>)| {
+            // The record is in the queue before the limit drops (a wait would poll, which a
+            // limit of 0 refuses too).
+            assert_eq!(wait.recv().unwrap(), "put");
             // No new descriptor at all (the limit bounds descriptor numbers); those open
             // already keep working.
             let tight = rustix::process::Rlimit { current: Some(0), maximum: None };
@@ -190,6 +193,7 @@ fn a_receive_that_fails_at_the_descriptor_limit_frees_its_place() {
     )
     .unwrap();
     q.put(Tensor::full(&[4], 1.0f32)).unwrap();
+    go.send("put".into()).unwrap();
     let failed = go.recv().unwrap();
     assert!(failed.contains("descriptor limit"), "{failed}");
     // Its place is free again: a second put fits at once.
