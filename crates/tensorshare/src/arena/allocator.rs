@@ -271,10 +271,12 @@ mod tests {
         drop(a);
         let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot another description holds was handed out");
-        drop(b);
-        drop(other); // the holder is gone: its lock with it
+        // The holder is gone, its lock with it; `b` is still in use, so the only free
+        // arena of this size is the first one.
+        drop(other);
         let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(Arc::ptr_eq(&c.arena, &arena), "the slot is free again once its holder is gone");
+        drop(b);
     }
 
     #[test]
@@ -286,10 +288,12 @@ mod tests {
         drop(a);
         let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot a message in flight holds was handed out");
-        drop(b);
-        drop(message); // consumed: only the sender's retired description was left
+        // Consumed: only the sender's retired description was left; `b` is still in use, so
+        // the only free arena of this size is the first one.
+        drop(message);
         let c = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(Arc::ptr_eq(&c.arena, &arena), "the slot comes back once the message is gone");
+        drop(b);
     }
 
     #[test]
