@@ -22,10 +22,12 @@ const FIRST_ARENA_DATA: usize = 256 << 10;
 /// Bytes of data in a pooled arena, at most.
 const ARENA_DATA: usize = 8 << 20;
 /// Free one-slot arenas kept for reuse (so that a large tensor made again and again finds
-/// warm pages): at most this many bytes and this many arenas, none larger than
-/// `LARGE_RETAIN`, and none idle for longer than `LARGE_IDLE` at the next allocation or
-/// release of a large storage. Anything else goes back to the system when it is freed.
+/// warm pages): at most `LARGE_RETAIN_TOTAL` bytes and `LARGE_RETAIN_COUNT` arenas, none
+/// larger than `LARGE_RETAIN`, and none idle for longer than `LARGE_IDLE` at the next
+/// allocation or release of a large storage. Anything else goes back to the system when it
+/// is freed (a dropped weight tensor of 500 MB at once).
 const LARGE_RETAIN: usize = 256 << 20;
+const LARGE_RETAIN_TOTAL: usize = 1 << 30;
 const LARGE_RETAIN_COUNT: usize = 8;
 const LARGE_IDLE: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -199,7 +201,7 @@ fn retire_large(alloc: &mut Allocator, coming: Option<usize>) {
         free_bytes += a.slot_size;
         free_count += 1;
         if a.slot_size > LARGE_RETAIN
-            || free_bytes > LARGE_RETAIN
+            || free_bytes > LARGE_RETAIN_TOTAL
             || free_count > LARGE_RETAIN_COUNT
             || now.duration_since(since) > LARGE_IDLE
         {

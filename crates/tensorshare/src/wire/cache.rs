@@ -17,6 +17,9 @@ const FIRST_LIMIT: usize = 128;
 /// Arenas kept mapped after their last storage here is gone, so that a process that keeps
 /// receiving from one arena does not map and unmap it for every message.
 const KEEP_MAPPED: usize = 16;
+/// Large arenas kept mapped that way: none larger, and at most this much in all.
+const KEEP_LARGE_EACH: usize = 256 << 20;
+const KEEP_LARGE_TOTAL: usize = 512 << 20;
 
 /// A multiplicative hash (FxHash's): the keys are device/inode numbers, names this
 /// process made or checked, and slot numbers, so SipHash's flooding resistance buys
@@ -104,11 +107,27 @@ impl Cache {
         self.touch(arena);
     }
 
-    /// Keeps a pooled arena mapped for a while after its last storage here goes (a large
-    /// one-slot arena is let go at once, so that its memory returns when it is freed).
+    /// Keeps an arena mapped for a while after its last storage here goes, so that one its
+    /// creator hands out again is not mapped (and faulted in) anew. Large one-slot arenas
+    /// only within bounds: none over `KEEP_LARGE_EACH`, `KEEP_LARGE_TOTAL` in all, so a
+    /// dropped weight tensor's memory returns when its creator lets it go.
     fn touch(&mut self, arena: &Arc<Arena>) {
-        if arena.is_large() || self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
+        if self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
             return;
+        }
+        if arena.is_large() {
+            if arena.slot_size() > KEEP_LARGE_EACH {
+                return;
+            }
+            let mut large: usize =
+                self.recent.iter().filter(|a| a.is_large()).map(|a| a.slot_size()).sum::<usize>()
+                    + arena.slot_size();
+            while large > KEEP_LARGE_TOTAL {
+                let Some(i) = self.recent.iter().position(|a| a.is_large()) else { break };
+                if let Some(a) = self.recent.remove(i) {
+                    large -= a.slot_size();
+                }
+            }
         }
         if self.recent.len() == KEEP_MAPPED {
             self.recent.pop_front();
