@@ -53,6 +53,48 @@ pub(crate) mod fork {
         super::lock(&GUARDS).push(f);
     }
 
+    use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+    /// Counts forks: state inherited from a parent (an arena's descriptions, an outbox)
+    /// compares its generation with this one to know it is not this process's own.
+    static GENERATION: AtomicU64 = AtomicU64::new(0);
+    static PID: AtomicI32 = AtomicI32::new(0);
+
+    /// What a forked child does first: a new generation, and no cached pid. Run by
+    /// `pthread_atfork`, and by hand in a child of a raw `clone` (which runs no handler).
+    pub(crate) extern "C" fn in_child() {
+        GENERATION.fetch_add(1, Ordering::Relaxed);
+        PID.store(0, Ordering::Relaxed);
+    }
+
+    fn watch() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: the child handler is a plain extern "C" fn that does two atomic
+            // operations, which are async-signal-safe and valid in a child that has only the
+            // forking thread.
+            unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        });
+    }
+
+    /// This process's fork generation (see `GENERATION`).
+    pub(crate) fn generation() -> u64 {
+        watch();
+        GENERATION.load(Ordering::Relaxed)
+    }
+
+    /// This process's pid without a syscall each time (glibc no longer caches it).
+    pub(crate) fn pid() -> i32 {
+        let p = PID.load(Ordering::Relaxed);
+        if p != 0 {
+            return p;
+        }
+        watch();
+        let p = rustix::process::getpid().as_raw_nonzero().get();
+        PID.store(p, Ordering::Relaxed);
+        p
+    }
+
     /// Every registered guard's locks, taken in registration order, then the list's own
     /// (a thread registering at the fork must not leave it locked in the child). The list
     /// is not held while the others are taken: a thread making a layer's static registers
@@ -66,31 +108,4 @@ pub(crate) mod fork {
         out.push(Box::new(super::lock(&GUARDS)));
         out
     }
-}
-
-static PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
-/// Forgets the cached pid: a child made by a raw `clone` (which runs no `pthread_atfork`
-/// handler) calls it first thing.
-pub(crate) extern "C" fn forget_pid() {
-    PID.store(0, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// This process's pid without a syscall each time (glibc no longer caches it): cached, and
-/// forgotten in a forked child.
-pub(crate) fn pid() -> i32 {
-    use std::sync::atomic::Ordering;
-    let p = PID.load(Ordering::Relaxed);
-    if p != 0 {
-        return p;
-    }
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: the child handler is a plain extern "C" fn that does one atomic store,
-        // which is async-signal-safe and valid in a child that has only the forking thread.
-        unsafe { libc::pthread_atfork(None, None, Some(forget_pid)) };
-    });
-    let p = rustix::process::getpid().as_raw_nonzero().get();
-    PID.store(p, Ordering::Relaxed);
-    p
 }

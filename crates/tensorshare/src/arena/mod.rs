@@ -31,7 +31,7 @@ mod allocator;
 mod locks;
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::shm::Segment;
@@ -58,26 +58,6 @@ const PENDING_SLOTS: usize = 16;
 const PENDING_BYTES: usize = 1 << 20;
 /// Slots the creator checks for other holders in one `F_OFD_GETLK`.
 const CHECK_RUN: u32 = 64;
-
-/// Counts forks, so that an arena object inherited by a forked child knows it is not its
-/// own: it shares its parent's descriptions (and so their locks) and must not touch them.
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-/// Marks this process as a forked child (run by `pthread_atfork`, and by hand in a child of
-/// a raw `clone`).
-pub(crate) extern "C" fn forked_child() {
-    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Makes every fork (through libc, by anyone) start a new generation in the child.
-fn watch_forks() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: the child handler is a plain extern "C" fn that does one atomic add, which
-        // is async-signal-safe and valid in a child that has only the forking thread.
-        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-    });
-}
 
 /// An arena mapped in this process, with its geometry copied out of the header once.
 pub(crate) struct Arena {
@@ -132,7 +112,6 @@ impl std::fmt::Debug for Arena {
 
 impl Arena {
     fn new(seg: Segment, slot_size: usize, nslots: u32, creator: bool) -> Arena {
-        watch_forks();
         let n = nslots as usize;
         Arena {
             cached: AtomicBool::new(false),
@@ -140,7 +119,7 @@ impl Arena {
             slot_size,
             nslots,
             creator,
-            generation: FORK_GENERATION.load(Ordering::Relaxed),
+            generation: crate::util::fork::generation(),
             state: Mutex::new(State {
                 local: vec![0; n],
                 exposed: if creator { vec![false; n] } else { Vec::new() },
@@ -223,7 +202,9 @@ impl Arena {
 
     /// Whether this arena object belongs to this process (not one inherited through fork).
     pub(crate) fn is_own(&self) -> bool {
-        self.generation == FORK_GENERATION.load(Ordering::Relaxed)
+        // An arena inherited through fork shares its parent's descriptions (and so their
+        // locks): the child must not touch them.
+        self.generation == crate::util::fork::generation()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -271,14 +252,10 @@ impl Arena {
                     }
                 }
                 // A lock from this slot on: skip the whole run it covers.
-                Ok(Some((first, end))) if first <= u64::from(slot) => {
-                    return Err(u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1));
-                }
+                Ok(Some((first, end))) if first <= u64::from(slot) => return Err(self.past(slot, end)),
                 _ => match conflict(fd, slot, 1) {
                     Ok(None) => st.exposed[i] = false,
-                    Ok(Some((_, end))) => {
-                        return Err(u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1))
-                    }
+                    Ok(Some((_, end))) => return Err(self.past(slot, end)),
                     Err(_) => return Err(slot + 1),
                 },
             }
@@ -286,6 +263,11 @@ impl Arena {
         st.local[i] = 1;
         st.idle_since = None;
         Ok(())
+    }
+
+    /// The slot to ask about next after `slot`, which a lock ending at `end` covers.
+    fn past(&self, slot: u32, end: u64) -> u32 {
+        u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1)
     }
 
     /// One more handle of each of `slots` in this process (a slot may appear more than

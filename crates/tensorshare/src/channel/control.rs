@@ -251,7 +251,7 @@ fn flock(l_type: i16) -> libc::flock {
 }
 
 fn getpid() -> i32 {
-    crate::util::pid()
+    crate::util::fork::pid()
 }
 
 /// A new description of the block, read-locked: a hold that lasts as long as it does.

@@ -76,12 +76,18 @@ impl Outbox {
     /// Sends `out` now if the socket has room and nothing of ours waits before it;
     /// otherwise queues it for the feeder. Never waits for room.
     ///
-    /// `alive` says whether a reader can still exist (a handle in this process, or another
-    /// process holding the queue); the feeder asks it while it waits.
-    pub(crate) fn put(self: &Arc<Outbox>, tx: &Arc<OwnedFd>, mut out: Outgoing, alive: Alive) -> Result<()> {
+    /// `alive` makes the test of whether a reader can still exist (a handle in this process,
+    /// or another process holding the queue), asked while a write waits; it is made only
+    /// then, not on every put.
+    pub(crate) fn put(
+        self: &Arc<Outbox>,
+        tx: &Arc<OwnedFd>,
+        mut out: Outgoing,
+        alive: impl FnOnce() -> Alive,
+    ) -> Result<()> {
         if !self.own() {
             // A forked child: its parent's feeder is not here. Write directly, waiting.
-            return socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive);
+            return socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive());
         }
         let mut st = self.state();
         match st.failed {
@@ -103,7 +109,7 @@ impl Outbox {
         }
         st.records.push_back(out);
         if !st.feeding {
-            let (me, tx) = (self.clone(), tx.clone());
+            let (me, tx, alive) = (self.clone(), tx.clone(), alive());
             let spawned = std::thread::Builder::new()
                 .name("tensorshare-feed".into())
                 .spawn(move || me.feed(&tx, &*alive));
@@ -187,5 +193,5 @@ impl Outbox {
 }
 
 fn getpid() -> i32 {
-    crate::util::pid()
+    crate::util::fork::pid()
 }

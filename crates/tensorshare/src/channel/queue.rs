@@ -130,9 +130,10 @@ impl Core {
             // were lost (a consumer died holding one), not taken.
             self.control.restore_places(empty_before && self.is_empty() && !self.outbox.pending());
         }
-        let core = Arc::downgrade(self);
-        let control = self.control.clone();
-        let alive = Arc::new(move || core.strong_count() > 0 || control.others_alive());
+        let alive = || -> super::outbox::Alive {
+            let (core, control) = (Arc::downgrade(self), self.control.clone());
+            Arc::new(move || core.strong_count() > 0 || control.others_alive())
+        };
         Outgoing::new(msg)
             .and_then(|out| self.outbox.put(&self.tx, out, alive))
             .inspect_err(|_| self.control.release())

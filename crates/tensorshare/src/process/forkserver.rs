@@ -130,8 +130,7 @@ fn fork_worker(job: OwnedFd, ppid: i32, server_sock: &OwnedFd) -> std::result::R
         0 => {
             // The child: it does not serve, it works. Its parent is the server's parent.
             // A raw clone runs no pthread_atfork handler: do what they would.
-            crate::util::forget_pid();
-            crate::arena::forked_child();
+            crate::util::fork::in_child();
             let _ = rustix::io::fcntl_setfd(server_sock, rustix::io::FdFlags::CLOEXEC);
             // SAFETY: closing the server socket's descriptor in this child only; the
             // OwnedFd of the server loop is never used again here (worker_main never
