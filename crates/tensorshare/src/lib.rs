@@ -96,14 +96,16 @@ pub mod raw {
 
     /// A message back into a value, as a receiver would.
     pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
-        crate::wire::decode(bytes, fds)
+        crate::wire::decode(bytes, fds, false)
     }
 }
 
 /// Lets go of every arena of this process whose slots are all free, and of the arenas the
 /// receive cache keeps mapped for speed, so that their memory goes back to the system once
-/// no other process maps them. Returns how many of this process's arenas were let go.
+/// no other process maps them; descriptors of received messages kept for later are closed
+/// (values received keep their holds). Returns how many of this process's arenas were let go.
 pub fn trim_arenas() -> usize {
+    arena::settle();
     wire::release_cached_mappings();
     arena::trim()
 }

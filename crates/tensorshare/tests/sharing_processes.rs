@@ -328,6 +328,9 @@ fn descriptor_counts_stay_flat() {
             for i in 0..N {
                 let t = q.get().unwrap();
                 assert_eq!(t.to_vec::<i32>().unwrap()[0], i as i32);
+                // Counted with no tensor alive, as at the end: a received value may hold
+                // through its message's descriptor until the next receive.
+                drop(t);
                 if i == 1000 {
                     after_warmup = open_fds();
                 }
@@ -500,4 +503,98 @@ fn more_segments_than_one_record() {
     assert_eq!(ctx.join(None), Ok(true));
     assert_eq!(n, N);
     assert_eq!(sum, (0..N).map(|i| i as f64).sum::<f64>());
+}
+
+/// Waits (spinning, without a call into tensorshare) until `flag[0]` is `v`.
+fn spin_until(flag: &Tensor, v: i32) {
+    let a = flag.atomic::<i32>().unwrap();
+    while a.load(0) != v {
+        std::hint::spin_loop();
+    }
+}
+
+/// The creator hands out every other 4 KiB slot, twice as many as its arenas held, and
+/// writes 7.0 into each: a slot still held anywhere is never among them.
+fn hand_out_everything_else() -> Vec<Tensor> {
+    (0..4096)
+        .map(|_| {
+            let mut x = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            x.fill(7.0f32).unwrap();
+            x
+        })
+        .collect()
+}
+
+/// A relay passes a tensor on with the hold of the message that brought it (it takes no lock
+/// of its own) and drops its handle; the last receiver holds it through that hold without a
+/// call into tensorshare meanwhile; the creator, with no handle left, never hands the slot
+/// out again while it is held.
+#[test]
+fn a_relayed_tensor_stays_held_until_its_last_receiver_drops_it() {
+    let (q1, q2): (Queue<Tensor>, Queue<Tensor>) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let flag = Tensor::empty_shared(&[1], DType::I32).unwrap();
+    flag.atomic::<i32>().unwrap().store(0, 0);
+    let mut ctx = spawn(
+        |rank, (q1, q2, flag): (Queue<Tensor>, Queue<Tensor>, Tensor)| {
+            if rank == 0 {
+                let t = q1.get().unwrap();
+                q2.put(t).unwrap();
+                return;
+            }
+            let kept = q2.get().unwrap();
+            flag.atomic::<i32>().unwrap().store(0, 1);
+            spin_until(&flag, 2);
+            assert!(kept.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0), "the held slot was reused");
+        },
+        (q1.clone(), q2.clone(), flag.clone()),
+        2,
+    )
+    .unwrap();
+    q1.put(Tensor::full(&[1024], 1.0f32)).unwrap();
+    spin_until(&flag, 1);
+    let others = hand_out_everything_else();
+    flag.atomic::<i32>().unwrap().store(0, 2);
+    assert_eq!(ctx.join(None), Ok(true));
+    drop(others);
+}
+
+/// A receiver that waits for its next message holds what it kept with a lock of its own:
+/// the message's descriptor is closed by then, and the creator, having let its send
+/// description go, still never hands the slot out again.
+#[test]
+fn a_kept_tensor_is_held_by_its_receiver_once_it_waits() {
+    let q: Queue<Tensor> = Queue::new().unwrap();
+    let (go, wait) = tensorshare::pipe::<u32>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, wait): (Queue<Tensor>, tensorshare::Connection<u32>)| {
+            // A first tensor of the same arena, so that the arena is mapped here already.
+            drop(q.get().unwrap());
+            wait.send(0).unwrap();
+            assert_eq!(wait.recv().unwrap(), 0);
+            let before = open_fds();
+            let kept = q.get().unwrap();
+            wait.send(1).unwrap();
+            assert_eq!(wait.recv().unwrap(), 2); // waits: the hold is settled meanwhile
+            assert_eq!(open_fds(), before, "the message's descriptor is still open");
+            assert!(kept.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0), "the held slot was reused");
+            wait.send(3).unwrap();
+        },
+        (q.clone(), wait),
+        1,
+    )
+    .unwrap();
+    let mut warm = Tensor::full(&[1024], 0.0f32);
+    warm.share_memory().unwrap();
+    let mut t = Tensor::full(&[1024], 1.0f32);
+    t.share_memory().unwrap();
+    q.put(warm).unwrap();
+    assert_eq!(go.recv().unwrap(), 0);
+    go.send(0).unwrap();
+    q.put(t).unwrap();
+    assert_eq!(go.recv().unwrap(), 1);
+    let others = hand_out_everything_else();
+    go.send(2).unwrap();
+    assert_eq!(go.recv().unwrap(), 3);
+    assert_eq!(ctx.join(None), Ok(true));
+    drop(others);
 }

@@ -108,6 +108,8 @@ extern "C" fn unlink_named_at_exit() {
 /// are unspecified: zero in a new arena, old bytes in a reused slot.
 pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
     debug_assert!(len > 0);
+    // Descriptors of received messages kept for later may hold our own slots: let them go.
+    super::borrow::close_let_go();
     let mut alloc = lock(allocator(strategy));
     alloc.drop_inherited();
     if len > 1 << MAX_SLOT_SHIFT {

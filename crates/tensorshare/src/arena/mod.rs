@@ -9,13 +9,15 @@
 //!   arena's file (see [`Segment::reopen`]) and an OFD read lock on byte `slot` of it;
 //! - a message in flight holds its slots the same way, through the sender's *send
 //!   description*: the sender locks the slots on it and the message carries it (SCM_RIGHTS).
-//!   The receiver takes its own lock before it closes the message's descriptor.
+//!   The receiver takes its own lock before it closes the message's descriptor, or keeps
+//!   the descriptor for a while and holds through it (see `borrow`).
 //!
 //! The kernel drops a description's locks when its last descriptor closes: when the holder
 //! drops its last storage of the arena, exits or is killed, when a message is consumed, or
 //! when a message is destroyed unread (a socket closed with records in it). A peer can add
-//! holds (lock slots it names) but never remove another's, and no bytes it sends can make
-//! a slot be reused while an honest holder has it. The creator asks the kernel (`F_OFD_GETLK`
+//! holds (lock slots it names) but never remove one on an arena it was not given, and no
+//! bytes it sends can make a slot be reused while an honest holder has it. (A peer given a
+//! send description can unlock it, which gains it nothing: see `borrow`.) The creator asks the kernel (`F_OFD_GETLK`
 //! on its own description, which no message ever carries) before reusing a slot it has sent.
 //!
 //! A send description is shared by the messages a process sends from one arena until it is
@@ -28,6 +30,7 @@
 //! received, and checked against the file's size: bounds never depend on it later.
 
 mod allocator;
+mod borrow;
 mod locks;
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -39,6 +42,7 @@ use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
 pub(crate) use allocator::{allocate, trim};
+pub(crate) use borrow::{let_go, settle};
 use locks::{conflict, lock_range, range_free, runs};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA2");
@@ -82,6 +86,10 @@ struct State {
     send: Option<SendHold>,
     /// A holder's slots with no handle left here, still locked until the next flush.
     pending: Vec<u32>,
+    /// A holder's slots held through the description of the message that brought them
+    /// (see `borrow`), not through a lock of this process; empty until the first borrow.
+    borrowed: Vec<Option<Arc<OwnedFd>>>,
+    nborrowed: usize,
     /// The creator's one-slot arena: since when it has had no handle here.
     idle_since: Option<std::time::Instant>,
 }
@@ -125,6 +133,8 @@ impl Arena {
                 exposed: if creator { vec![false; n] } else { Vec::new() },
                 send: None,
                 pending: Vec::new(),
+                borrowed: Vec::new(),
+                nborrowed: 0,
                 idle_since: None,
             }),
         }
@@ -273,32 +283,53 @@ impl Arena {
     /// One more handle of each of `slots` in this process (a slot may appear more than
     /// once). A holder's first handle of a slot takes the process's lock on it; locks are
     /// taken in runs of adjacent slots, and slots waiting to be given back are kept instead.
-    pub(crate) fn hold(&self, slots: &[u32]) -> Result<()> {
+    ///
+    /// With `via`, the description of the message that names the slots (which holds them
+    /// all), a first handle borrows that hold instead of locking (see `borrow`). Returns
+    /// whether it did.
+    pub(crate) fn hold(&self, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<bool> {
         let mut st = self.state();
         if let Some(&bad) = slots.iter().find(|&&s| s >= self.nslots) {
             return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
         }
+        let mut borrowed = false;
         if !self.creator && self.is_own() {
+            // Slots without a handle here yet, each once (a message may name one twice).
+            let mut first: Vec<u32> = slots.iter().copied().filter(|&s| st.local[s as usize] == 0).collect();
+            first.sort_unstable();
+            first.dedup();
             let mut need: Vec<u32> = Vec::new();
-            for &slot in slots {
-                if st.local[slot as usize] == 0 {
-                    if let Some(p) = st.pending.iter().position(|&q| q == slot) {
-                        st.pending.swap_remove(p);
-                    } else {
-                        need.push(slot);
-                    }
+            for slot in first {
+                if let Some(p) = st.pending.iter().position(|&q| q == slot) {
+                    st.pending.swap_remove(p);
+                } else {
+                    need.push(slot);
                 }
             }
-            for (start, len) in runs(&mut need) {
-                lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
-                    .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
+            match via {
+                Some(fd) if !need.is_empty() => {
+                    if st.borrowed.is_empty() {
+                        st.borrowed = vec![None; self.nslots as usize];
+                    }
+                    for &slot in &need {
+                        st.borrowed[slot as usize] = Some(fd.clone());
+                    }
+                    st.nborrowed += need.len();
+                    borrowed = true;
+                }
+                _ => {
+                    for (start, len) in runs(&mut need) {
+                        lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
+                            .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
+                    }
+                }
             }
         }
         for &slot in slots {
             let c = &mut st.local[slot as usize];
             *c = c.checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
         }
-        Ok(())
+        Ok(borrowed)
     }
 
     /// One handle of `slot` less; the last one gives the process's lock back (in a run with
@@ -320,6 +351,14 @@ impl Arena {
             return;
         }
         if st.local[i] == 0 && !self.creator && self.is_own() {
+            if let Some(fd) = st.borrowed.get_mut(i).and_then(Option::take) {
+                // Held through a message's description, not a lock of ours: letting it go is
+                // all there is to give back.
+                st.nborrowed -= 1;
+                drop(st);
+                drop(fd);
+                return;
+            }
             if self.nslots == 1 {
                 // A relay's send description would keep the arena's only slot locked for up
                 // to SEND_BATCH messages, and its creator would make a new arena meanwhile:
@@ -357,6 +396,11 @@ impl Arena {
             ));
         }
         let mut st = self.state();
+        if let Some(via) = forwarded(&st, slots) {
+            // Slots this process holds through the description of the message that brought
+            // them: that description holds them all, and nobody unlocks it. It goes on.
+            return Ok(via);
+        }
         if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH || s.nlocked >= SEND_SLOTS) {
             st.send = None;
         }
@@ -401,6 +445,15 @@ impl Arena {
     }
 }
 
+/// The one borrowed description through which this process holds all of `slots`, if any.
+fn forwarded(st: &State, slots: &[u32]) -> Option<Arc<OwnedFd>> {
+    let first = st.borrowed.get(*slots.first()? as usize)?.as_ref()?;
+    slots
+        .iter()
+        .all(|&s| st.borrowed.get(s as usize).and_then(Option::as_ref).is_some_and(|f| Arc::ptr_eq(f, first)))
+        .then(|| first.clone())
+}
+
 /// One holder's claim on a slot: the storage's memory. Dropping it gives the claim back.
 pub(crate) struct Slot {
     arena: Arc<Arena>,
@@ -414,9 +467,12 @@ impl std::fmt::Debug for Slot {
 }
 
 impl Slot {
-    /// Handles of `slots` of a received arena, in order: this process now holds them.
-    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32]) -> Result<Vec<Slot>> {
-        arena.hold(slots)?;
+    /// Handles of `slots` of a received arena, in order: this process now holds them, with
+    /// locks of its own, or through `via`, the message's description (see `borrow`).
+    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<Vec<Slot>> {
+        if arena.hold(slots, via)? {
+            borrow::note_borrower(arena);
+        }
         Ok(slots.iter().map(|&slot| Slot { arena: arena.clone(), slot }).collect())
     }
 

@@ -26,7 +26,7 @@ const UNBOUNDED: u32 = u32::MAX;
 
 /// What a control block holds in its last 8 bytes, written once by its creator: a received
 /// memfd without it (an arena, say) is not taken for a queue.
-const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE1");
+const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE2");
 const MAGIC_AT: usize = LEN - 8;
 
 #[repr(C)]
@@ -37,7 +37,15 @@ struct Counters {
     waiters: AtomicU32,
     /// The queue's capacity (UNBOUNDED: none).
     capacity: AtomicU32,
+    /// On a cache line of its own: bumped after every record written to the queue, for
+    /// receivers polling awake to watch (see `socket::recv_taken`).
+    bell: Bell,
 }
+
+#[repr(C, align(64))]
+struct Bell(AtomicU32);
+
+const _: () = assert!(std::mem::size_of::<Counters>() <= MAGIC_AT);
 
 pub(crate) struct Control {
     /// A one-page memfd that every holder of the queue maps.
@@ -97,9 +105,11 @@ impl Control {
     }
 
     fn counters(&self) -> &Counters {
-        // SAFETY: the segment is at least LEN bytes (Segment checks what it maps),
-        // page-aligned, lives as long as self, and Counters is two atomics: valid for any bit
-        // pattern and meant to be used by several processes at once.
+        // SAFETY: the segment is at least LEN bytes (Segment checks what it maps), and
+        // Counters fits before the magic word (asserted at compile time below); the mapping
+        // is page-aligned (more than Counters' 64), lives as long as self, and Counters is
+        // atomics only: valid for any bit pattern and meant to be used by several processes
+        // at once.
         unsafe { &*self.seg.as_ptr().cast::<Counters>() }
     }
 
@@ -145,6 +155,16 @@ impl Control {
                 i32::MAX as u32,
             );
         }
+    }
+
+    /// The word senders bump after each record and receivers watch while they poll.
+    pub(crate) fn bell(&self) -> &AtomicU32 {
+        &self.counters().bell.0
+    }
+
+    /// Tells receivers polling awake that a record was written.
+    pub(crate) fn ring(&self) {
+        self.bell().fetch_add(1, Ordering::Release);
     }
 
     /// Takes a place if one is free now (never waits).

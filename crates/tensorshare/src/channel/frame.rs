@@ -139,8 +139,10 @@ fn read_side(sock: OwnedFd, n: u32) -> Result<Vec<OwnedFd>> {
     Ok(out)
 }
 
-/// A received record back into a value.
-pub(crate) fn decode<T: DeserializeOwned>(record: Record) -> Result<T> {
+/// A received record back into a value. `borrow`: the receiver may hold what the message
+/// brings through the message's descriptors for a while (see `wire::decode`); queues and
+/// pipes do, values that arrive any other way do not.
+pub(crate) fn decode<T: DeserializeOwned>(record: Record, borrow: bool) -> Result<T> {
     let Record { bytes, mut fds } = record;
     let (&flags, mut rest) =
         bytes.split_first().ok_or_else(|| Error::invalid("an empty record is not a message"))?;
@@ -182,5 +184,5 @@ pub(crate) fn decode<T: DeserializeOwned>(record: Record) -> Result<T> {
         Some(s) => s.as_slice(),
         None => rest,
     };
-    wire::decode(message, fds)
+    wire::decode(message, fds, borrow)
 }

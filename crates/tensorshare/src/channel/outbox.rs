@@ -31,6 +31,8 @@ pub(crate) type Alive = Arc<dyn Fn() -> bool + Send + Sync>;
 pub(crate) struct Outbox {
     /// The process whose outbox this is.
     pid: i32,
+    /// Rung after each record written (see `Control::ring`).
+    control: Arc<Control>,
     state: Mutex<State>,
     written: Condvar,
 }
@@ -53,8 +55,8 @@ enum FeedError {
 }
 
 impl Outbox {
-    pub(crate) fn new() -> Outbox {
-        Outbox { pid: getpid(), state: Mutex::new(State::default()), written: Condvar::new() }
+    pub(crate) fn new(control: Arc<Control>) -> Outbox {
+        Outbox { pid: getpid(), control, state: Mutex::new(State::default()), written: Condvar::new() }
     }
 
     fn own(&self) -> bool {
@@ -87,7 +89,9 @@ impl Outbox {
     ) -> Result<()> {
         if !self.own() {
             // A forked child: its parent's feeder is not here. Write directly, waiting.
-            return socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive());
+            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive())?;
+            self.control.ring();
+            return Ok(());
         }
         let mut st = self.state();
         match st.failed {
@@ -97,7 +101,11 @@ impl Outbox {
         if st.records.is_empty() && !st.feeding {
             loop {
                 match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
-                    Ok(()) => return Ok(()),
+                    Ok(()) => {
+                        drop(st);
+                        self.control.ring();
+                        return Ok(());
+                    }
                     Err(Errno::AGAIN) => break,
                     Err(Errno::MSGSIZE) if !out.is_spilled() => out.spill()?,
                     Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
@@ -141,7 +149,10 @@ impl Outbox {
             };
             let sent = loop {
                 match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
-                    Ok(()) => break true,
+                    Ok(()) => {
+                        self.control.ring();
+                        break true;
+                    }
                     Err(Errno::AGAIN) => {}
                     Err(Errno::MSGSIZE) if !out.is_spilled() => {
                         if out.spill().is_err() {
@@ -170,7 +181,8 @@ impl Outbox {
 
     /// Waits until what this process put is written out, while another process holds the
     /// queue (otherwise nobody could ever read it, and the records go).
-    pub(crate) fn flush_at_drop(&self, control: &Control) {
+    pub(crate) fn flush_at_drop(&self) {
+        let control = &self.control;
         if !self.own() {
             return;
         }

@@ -54,7 +54,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
 
     fn recv_deadline(&self, deadline: Deadline) -> Result<T> {
         let r = socket::recv(self.fd.as_fd(), deadline, &no_liveness_check)?;
-        r.decode()
+        r.decode_received()
     }
 
     /// Whether a value (or the hang-up of the other end) is waiting, after waiting at most

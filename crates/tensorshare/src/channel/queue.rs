@@ -31,7 +31,7 @@ pub(crate) struct Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        self.outbox.flush_at_drop(&self.control);
+        self.outbox.flush_at_drop();
     }
 }
 
@@ -55,11 +55,12 @@ impl Core {
         let (tx, rx) = socket::pair()?;
         let control = Control::create(capacity)?;
         let id = control.id()?;
+        let control = Arc::new(control);
         let core = Arc::new(Core {
             tx: Arc::new(tx),
             rx: Arc::new(rx),
-            control: Arc::new(control),
-            outbox: Arc::new(Outbox::new()),
+            outbox: Arc::new(Outbox::new(control.clone())),
+            control,
         });
         let mut reg = lock(registry());
         reg.retain(|_, w| w.strong_count() > 0);
@@ -83,11 +84,12 @@ impl Core {
                 return Err(Error::invalid("a queue endpoint that is not a socket"));
             }
         }
+        let control = Arc::new(Control::open(ctl)?);
         let core = Arc::new(Core {
             tx: Arc::new(tx),
             rx: Arc::new(rx),
-            control: Arc::new(Control::open(ctl)?),
-            outbox: Arc::new(Outbox::new()),
+            outbox: Arc::new(Outbox::new(control.clone())),
+            control,
         });
         reg.insert(id, Arc::downgrade(&core));
         Ok(core)
@@ -145,7 +147,8 @@ impl Core {
     }
 
     fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
-        let record = socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others())?;
+        let record =
+            socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others(), Some(self.control.bell()))?;
         self.take(record)
     }
 
@@ -169,7 +172,7 @@ impl Core {
     /// a value (or an error, having closed what it carried).
     fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
         self.control.release();
-        frame::decode(record?)
+        frame::decode(record?, true)
     }
 }
 

@@ -7,6 +7,7 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
@@ -144,9 +145,15 @@ pub(crate) struct Record {
 }
 
 impl Record {
-    /// The message this record carries, as a value.
+    /// The message this record carries, as a value (holds taken at once: see
+    /// `frame::decode`).
     pub(crate) fn decode<T: serde::de::DeserializeOwned>(self) -> Result<T> {
-        super::frame::decode(self)
+        super::frame::decode(self, false)
+    }
+
+    /// The message a queue or a pipe received, as a value (holds borrowed for a while).
+    pub(crate) fn decode_received<T: serde::de::DeserializeOwned>(self) -> Result<T> {
+        super::frame::decode(self, true)
     }
 }
 
@@ -221,30 +228,67 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
     Ok(Received::Record(Record { bytes: bytes[..r.bytes].to_vec(), fds }))
 }
 
+/// Spins until `bell` moves from `rung`, the spin window closes or the deadline passes.
+fn watch(bell: &AtomicU32, rung: u32, until: Instant, deadline: Deadline) {
+    loop {
+        // Reading the clock costs more than a look at the word: look a few times per reading.
+        for _ in 0..32 {
+            if bell.load(Ordering::Acquire) != rung {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let now = Instant::now();
+        if now >= until || deadline.passed(now) {
+            return;
+        }
+    }
+}
+
 /// Waits for a record until the deadline. `alive` says whether a writer can still exist;
 /// when it says no while nothing is waiting, the result is `Disconnected`.
 pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> bool) -> Result<Record> {
-    recv_taken(fd, deadline, alive)?
+    recv_taken(fd, deadline, alive, None)?
 }
 
 /// [`recv`], telling apart a record that was taken off the socket but is no message (the
 /// inner error) from a receive that took nothing.
+///
+/// `bell`, when the channel has one, is a word that every sender bumps after each record it
+/// writes (see `control`): while the receive polls awake it watches the word rather than
+/// asking the socket again and again, which costs a syscall each time and contends with the
+/// sender for the socket's lock. The word only says when to look: a peer that writes it
+/// causes a needless look or a sleep a little earlier, nothing else.
 pub(crate) fn recv_taken(
     fd: BorrowedFd<'_>,
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
+    bell: Option<&AtomicU32>,
 ) -> Result<Result<Record>> {
     let spin_until = Instant::now() + SPIN;
+    let mut settled = false;
     loop {
+        // Read before looking: a record written after the look rings after this read.
+        let rung = bell.map(|b| b.load(Ordering::Acquire));
         match try_recv(fd)? {
             Received::Record(r) => return Ok(Ok(r)),
             Received::Bad(e) => return Ok(Err(e)),
             Received::Closed => return Err(Error::Disconnected),
             Received::Empty => {}
         }
+        if !settled {
+            // Nothing to receive yet: time for what the last receive left for later.
+            crate::arena::settle();
+            settled = true;
+            continue;
+        }
         let now = Instant::now();
         if now < spin_until && !deadline.passed(now) {
-            std::hint::spin_loop();
+            if let (Some(b), Some(rung)) = (bell, rung) {
+                watch(b, rung, spin_until, deadline);
+            } else {
+                std::hint::spin_loop();
+            }
             continue;
         }
         let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };

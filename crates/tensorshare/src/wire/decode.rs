@@ -45,7 +45,14 @@ pub(crate) fn decode_storage(index: u32) -> Result<Storage> {
 /// Turns a message (bytes and the descriptors that came with it) back into a value,
 /// checking every handle. A malformed message is [`Error::InvalidMessage`]; its
 /// descriptors are closed, which gives back whatever it held.
-pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>) -> Result<T> {
+///
+/// With `borrow` (a message from a queue or a pipe), the slots it brings are held through
+/// its own descriptors until this process next receives or waits, and descriptors it no
+/// longer needs close then too (see `arena::borrow`): a value passed straight on costs no
+/// lock. Without, this process takes its own holds now.
+pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>, borrow: bool) -> Result<T> {
+    // What earlier messages borrowed is settled before this one borrows.
+    crate::arena::settle();
     let (header, body) = header::parse(message)?;
     if fds.len() != header.nfds as usize {
         return Err(Error::invalid(format!(
@@ -56,7 +63,7 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>) -> 
     }
     let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
     // The arenas' descriptors stay open until this process holds its own locks on the
-    // slots it keeps: until then they are what holds them.
+    // slots it keeps, or borrows their holds: until then they are what holds them.
     let mut carried = Vec::with_capacity(header.segments.len());
     let mut arenas = Vec::with_capacity(header.segments.len());
     for d in &header.segments {
@@ -65,10 +72,16 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>) -> 
             .and_then(Option::take)
             .ok_or_else(|| Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd)))?;
         arenas.push(resolve_arena(d, fd.as_fd())?);
-        carried.push(fd);
+        carried.push(Arc::new(fd));
     }
-    let storages = resolve_storages(&header.storages, &arenas, &mut fds)?;
-    drop(carried);
+    let storages = resolve_storages(&header.storages, &arenas, &carried, borrow, &mut fds)?;
+    for fd in carried {
+        // Closed now, later (after the reply), or when the slots that borrow it go.
+        match Arc::try_unwrap(fd) {
+            Ok(fd) if borrow => crate::arena::let_go(fd),
+            _ => {}
+        }
+    }
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
     struct Reset;
     impl Drop for Reset {
@@ -108,6 +121,8 @@ fn resolve_arena(d: &SegmentDesc, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc
 fn resolve_storages(
     descs: &[StorageDesc],
     arenas: &[Arc<Arena>],
+    carried: &[Arc<OwnedFd>],
+    borrow: bool,
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
     let mut out: Vec<Option<Storage>> = Vec::with_capacity(descs.len());
@@ -151,12 +166,12 @@ fn resolve_storages(
             out[i] = Some(resolve_device(d, fds, &mut events)?);
         }
     }
-    for (arena, pending) in arenas.iter().zip(new) {
+    for ((arena, pending), via) in arenas.iter().zip(new).zip(carried) {
         if pending.is_empty() {
             continue;
         }
         let slots: Vec<u32> = pending.iter().map(|(s, _, _)| *s).collect();
-        let handles = Slot::hold(arena, &slots)?;
+        let handles = Slot::hold(arena, &slots, borrow.then_some(via))?;
         let mut cache = cache::cache();
         for (handle, (slot, len, at)) in handles.into_iter().zip(pending) {
             let storage = Storage::from_shared(len, Shared::Slot(handle));

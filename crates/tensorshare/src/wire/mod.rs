@@ -9,7 +9,9 @@
 //!
 //! Holds: the descriptor of each arena is the sender's send description, on which the
 //! message's slots are locked (see `arena`), so the message holds them as long as the
-//! descriptor lives; the receiver takes its own holds before it lets the message go. A
+//! descriptor lives; the receiver takes its own holds before it lets the message go, or,
+//! receiving from a queue or a pipe, borrows the message's until it next receives or waits
+//! (see `arena::borrow`). A
 //! message can therefore only give up what it carried, and a replayed, duplicated or forged
 //! message can only add holds. Everything read from a message is checked before use.
 
