@@ -42,6 +42,44 @@ static LET_GO: AtomicBool = AtomicBool::new(false);
 struct Deferred {
     borrowers: Vec<Weak<Arena>>,
     let_go: Vec<OwnedFd>,
+    /// Arenas whose send description was just taken: a spare is opened for the next.
+    spares: Vec<Weak<Arena>>,
+}
+
+/// Work for the next `idle`: spares to open.
+static SPARES: AtomicBool = AtomicBool::new(false);
+
+/// `arena` has used its spare description (or had none): open another at the next `idle`.
+pub(super) fn note_spare_wanted(arena: &Arc<Arena>) {
+    let mut d = lock(deferred());
+    if !d.spares.iter().any(|w| w.as_ptr() == Arc::as_ptr(arena)) {
+        d.spares.push(Arc::downgrade(arena));
+    }
+    SPARES.store(true, Ordering::Release);
+}
+
+/// What this process does when it would otherwise wait for a message: [`settle`], and
+/// open spare descriptions for arenas that will need a new send description.
+pub(crate) fn idle() {
+    settle();
+    if !SPARES.load(Ordering::Acquire) {
+        return;
+    }
+    let spares = {
+        let mut d = lock(deferred());
+        SPARES.store(false, Ordering::Release);
+        std::mem::take(&mut d.spares)
+    };
+    for arena in spares.iter().filter_map(Weak::upgrade) {
+        if !arena.is_own() {
+            continue;
+        }
+        let mut st = arena.state();
+        if st.spare.is_none() {
+            // Failing is harmless: the next send description is opened when needed.
+            st.spare = arena.seg.reopen().ok();
+        }
+    }
 }
 
 fn deferred() -> &'static Mutex<Deferred> {
@@ -147,8 +185,8 @@ mod tests {
 
     /// A creator's arena with slot 1 sent (locked on the returned description), and another
     /// process's view of it, as a receiver maps it.
-    fn sent() -> (Arena, Arc<OwnedFd>, Arc<Arena>) {
-        let creator = Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap();
+    fn sent() -> (Arc<Arena>, Arc<OwnedFd>, Arc<Arena>) {
+        let creator = Arc::new(Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap());
         let message = creator.send_hold(&[1]).unwrap();
         // The sender lets its send description go: the message alone holds the slot.
         creator.state().send = None;

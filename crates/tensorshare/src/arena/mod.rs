@@ -42,7 +42,7 @@ use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
 pub(crate) use allocator::{allocate, trim};
-pub(crate) use borrow::{let_go, settle};
+pub(crate) use borrow::{idle, let_go, settle};
 use locks::{conflict, lock_range, range_free, runs};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA2");
@@ -84,6 +84,9 @@ struct State {
     /// processes may therefore hold.
     exposed: Vec<bool>,
     send: Option<SendHold>,
+    /// A description opened ahead, while this process had nothing else to do, for the next
+    /// send description (opening one costs a `/proc/self/fd` lookup).
+    spare: Option<OwnedFd>,
     /// A holder's slots with no handle left here, still locked until the next flush.
     pending: Vec<u32>,
     /// A holder's slots held through the description of the message that brought them
@@ -132,6 +135,7 @@ impl Arena {
                 local: vec![0; n],
                 exposed: if creator { vec![false; n] } else { Vec::new() },
                 send: None,
+                spare: None,
                 pending: Vec::new(),
                 borrowed: Vec::new(),
                 nborrowed: 0,
@@ -387,7 +391,7 @@ impl Arena {
 
     /// The description a message naming `slots` of this arena carries, with each slot
     /// locked on it. The caller holds a handle of each slot.
-    pub(crate) fn send_hold(&self, slots: &[u32]) -> Result<Arc<OwnedFd>> {
+    pub(crate) fn send_hold(self: &Arc<Self>, slots: &[u32]) -> Result<Arc<OwnedFd>> {
         if !self.is_own() {
             return Err(Error::Unsupported(
                 "a storage inherited through fork cannot be sent from the child; send it from the \
@@ -406,8 +410,13 @@ impl Arena {
         }
         if st.send.is_none() {
             let n = self.nslots as usize;
+            let fd = match st.spare.take() {
+                Some(fd) => fd,
+                None => self.seg.reopen()?,
+            };
+            borrow::note_spare_wanted(self);
             st.send = Some(SendHold {
-                fd: Arc::new(self.seg.reopen()?),
+                fd: Arc::new(fd),
                 locked: vec![false; n],
                 sent: vec![false; n],
                 nlocked: 0,

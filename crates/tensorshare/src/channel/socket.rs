@@ -278,7 +278,7 @@ pub(crate) fn recv_taken(
         }
         if !settled {
             // Nothing to receive yet: time for what the last receive left for later.
-            crate::arena::settle();
+            crate::arena::idle();
             settled = true;
             continue;
         }
