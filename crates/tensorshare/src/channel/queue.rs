@@ -114,10 +114,12 @@ impl Core {
         let msg = wire::encode(value)?;
         // A free place (an unbounded queue always has one): no syscall.
         let mut placed = self.control.try_acquire();
+        // Whether the queue was empty when the current wait began; asked only once a wait
+        // has failed, so that a producer that finds the queue full pays no syscall for it.
+        let mut empty_before = false;
         while !placed {
             // Try once even when the deadline has passed (try_put, a zero timeout).
             let slice = deadline.slice();
-            let empty_before = self.is_empty();
             if self.control.acquire(slice.unwrap_or_default()) {
                 placed = true;
                 continue;
@@ -130,7 +132,9 @@ impl Core {
             }
             // No place for a whole slice, and the queue was empty all along: the places
             // were lost (a consumer died holding one), not taken.
-            self.control.restore_places(empty_before && self.is_empty() && !self.outbox.pending());
+            let empty = self.is_empty() && !self.outbox.pending();
+            self.control.restore_places(empty_before && empty);
+            empty_before = empty;
         }
         let alive = || -> super::outbox::Alive {
             let (core, control) = (Arc::downgrade(self), self.control.clone());
