@@ -24,6 +24,24 @@ pub(crate) struct Child {
     pub(crate) outcome: Option<Option<ProcessError>>,
 }
 
+/// How a process ended, as its parent's `waitid` tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    Exited(i32),
+    Signaled(i32),
+}
+
+impl Ending {
+    /// The ending `waitid(WEXITED)` reported, if it is one.
+    fn of(status: &rustix::process::WaitIdStatus) -> Option<Ending> {
+        match (status.exit_status(), status.terminating_signal()) {
+            (Some(code), _) => Some(Ending::Exited(code)),
+            (None, Some(sig)) => Some(Ending::Signaled(sig)),
+            (None, None) => None,
+        }
+    }
+}
+
 /// The workers started by [`spawn`](crate::spawn) or
 /// [`start_processes`](crate::start_processes). Dropping it kills and reaps any worker
 /// still running, so no process is left behind.
@@ -167,40 +185,43 @@ impl Drop for ProcessContext {
 /// Collects a worker's exit (waiting for it if `block`), and decides what it means.
 pub(crate) fn reap(c: &mut Child, block: bool) {
     let opts = if block { WaitIdOptions::EXITED } else { WaitIdOptions::EXITED | WaitIdOptions::NOHANG };
-    let status = match rustix::process::waitid(WaitId::PidFd(c.pidfd.as_fd()), opts) {
-        Ok(Some(s)) => s,
+    let ending = match rustix::process::waitid(WaitId::PidFd(c.pidfd.as_fd()), opts) {
+        Ok(Some(s)) => Ending::of(&s).ok_or_else(|| "unknown exit status".to_string()),
         Ok(None) => return, // still running
-        Err(e) => {
+        Err(e) => Err(format!("waitid failed: {e}")),
+    };
+    let ending = match ending {
+        Ok(ending) => ending,
+        Err(reason) => {
             c.outcome = Some(Some(ProcessError {
                 rank: c.rank,
                 pid: c.pid.as_raw_nonzero().get(),
                 task: None,
-                failure: Failure::Lost { reason: format!("waitid failed: {e}") },
+                failure: Failure::Lost { reason },
             }));
             return;
         }
     };
     let (started, report) = read_reports(&c.job);
-    let failure = match (report, status.exit_status(), status.terminating_signal()) {
-        (Some(Report::Done), Some(0), _) => None,
-        (Some(Report::Raised { message, location, backtrace }), _, _) => {
+    let failure = match (report, ending) {
+        (Some(Report::Done), Ending::Exited(0)) => None,
+        (Some(Report::Raised { message, location, backtrace }), _) => {
             Some(Failure::Raised { message, location, backtrace })
         }
-        (Some(Report::Lost { reason }), _, _) => Some(Failure::Lost { reason }),
-        (Some(Report::Unreported { reason }), _, _) => Some(Failure::Unreported { reason }),
-        (_, _, Some(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
-        (_, Some(0), _) if started => Some(Failure::Unreported {
+        (Some(Report::Lost { reason }), _) => Some(Failure::Lost { reason }),
+        (Some(Report::Unreported { reason }), _) => Some(Failure::Unreported { reason }),
+        (_, Ending::Signaled(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
+        (_, Ending::Exited(0)) if started => Some(Failure::Unreported {
             reason: "exited with code 0 before reporting its result (its job called exit, or exec'd \
                      another program)"
                 .into(),
         }),
-        (_, Some(0), _) => Some(Failure::Lost {
+        (_, Ending::Exited(0)) => Some(Failure::Lost {
             reason: "the worker exited without taking its job; does main() call tensorshare::init() \
                      first (or the test file invoke tensorshare::enable_test_workers!())?"
                 .into(),
         }),
-        (_, Some(code), _) => Some(Failure::Exited { code }),
-        (_, None, None) => Some(Failure::Lost { reason: "unknown exit status".into() }),
+        (_, Ending::Exited(code)) => Some(Failure::Exited { code }),
     };
     c.outcome = Some(failure.map(|failure| ProcessError {
         rank: c.rank,
