@@ -241,3 +241,32 @@ fn a_pool_worker_that_aborts_fails_its_task_and_is_replaced() {
     assert_eq!(pool.pids().len(), 2);
     assert_eq!(pool.map(|x: u32| x + 1, vec![1, 2]).unwrap(), vec![2, 3]);
 }
+
+fn forkserver_worker_from_a_fork_worker(_rank: usize, _: ()) {
+    common::allow_fork_in_helper();
+    // This process has a fork server now; a Fork worker inherits the record of it.
+    let mut first = start_processes(|_rank, _: ()| {}, (), 1, FS).unwrap();
+    assert_eq!(first.join(None), Ok(true));
+    let mut forked = start_processes(
+        |_rank, _: ()| {
+            let mut ctx = start_processes(|_rank, _: ()| {}, (), 1, StartMethod::ForkServer).unwrap();
+            assert_eq!(ctx.join(None), Ok(true));
+        },
+        (),
+        1,
+        StartMethod::Fork,
+    )
+    .unwrap();
+    if let Err(e) = forked.join(None) {
+        panic!("{e:#}");
+    }
+    // And the parent's server still serves the parent.
+    let mut last = start_processes(|_rank, _: ()| {}, (), 1, FS).unwrap();
+    assert_eq!(last.join(None), Ok(true));
+}
+
+/// A Fork worker starts a fork server of its own: its parent's is not its child.
+#[test]
+fn a_fork_worker_starts_its_own_fork_server() {
+    common::isolated_with(forkserver_worker_from_a_fork_worker, ());
+}

@@ -63,6 +63,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 struct Server {
     sock: OwnedFd,
     pid: Pid,
+    /// The process that started it: the only one it serves.
+    owner: Pid,
     /// The number of the next request.
     next: u64,
 }
@@ -109,12 +111,19 @@ type Status = (i32, std::result::Result<Ending, String>);
 /// Asks the fork server (started on first use) for a worker reading its job from `job`.
 pub(crate) fn start_worker(job: OwnedFd) -> Result<Forked> {
     let mut server = crate::util::lock(&SERVER);
+    let me = rustix::process::getpid();
+    if server.as_ref().is_some_and(|s| s.owner != me) {
+        // A forked child's copy of its parent's server: not its child, and its workers would
+        // not be either. Its own copy of the socket is closed (a Fork worker's is /dev/null
+        // already); the server is the parent's business.
+        *server = None;
+    }
     for attempt in 0..2 {
         if server.is_none() {
             let (ours, theirs) = socket::pair()?;
             let invitation = Invitation::send(ours.as_fd(), &[])?;
             let pid = exec_worker(FORKSERVER_ENV, theirs, &invitation)?;
-            *server = Some(Server { sock: ours, pid, next: 0 });
+            *server = Some(Server { sock: ours, pid, owner: me, next: 0 });
         }
         let s = server.as_mut().expect("started above");
         match request(s, &job) {
