@@ -1,4 +1,10 @@
 //! [`ProcessContext`]: the parent's handle on the workers it started.
+//!
+//! A worker is this process's own child (Spawn, Fork), reaped here with `waitid` on its
+//! pidfd, or a child of the fork server (ForkServer), which reaps it and sends its exit
+//! status on a socket of that worker's own (see `forkserver`). Either way the worker is
+//! waited for by polling one descriptor per worker, signalled through its pidfd, and its
+//! end means the same: only who collects the status differs.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -20,8 +26,46 @@ pub(crate) struct Child {
     pub(crate) pidfd: OwnedFd,
     /// The job socket, where the worker's report arrives.
     pub(crate) job: OwnedFd,
+    /// Who reaps it, and so where its exit status comes from.
+    pub(crate) parent: Parent,
     /// Set once reaped: None for success.
     pub(crate) outcome: Option<Option<ProcessError>>,
+}
+
+/// Who a worker's parent is: the process that collects its exit status.
+pub(crate) enum Parent {
+    /// This process: `waitid` on the pidfd.
+    This,
+    /// The fork server, which sends the status on `status` once it has reaped the worker.
+    ForkServer { status: OwnedFd },
+}
+
+impl Parent {
+    /// What becomes readable when the worker's status can be collected without waiting.
+    fn ready<'a>(&'a self, pidfd: &'a OwnedFd) -> &'a OwnedFd {
+        match self {
+            Parent::This => pidfd,
+            Parent::ForkServer { status } => status,
+        }
+    }
+}
+
+/// How a process ended, as its parent's `waitid` tells it (and the fork server forwards it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Ending {
+    Exited(i32),
+    Signaled(i32),
+}
+
+impl Ending {
+    /// The ending `waitid(WEXITED)` reported, if it is one.
+    pub(crate) fn of(status: &rustix::process::WaitIdStatus) -> Option<Ending> {
+        match (status.exit_status(), status.terminating_signal()) {
+            (Some(code), _) => Some(Ending::Exited(code)),
+            (None, Some(sig)) => Some(Ending::Signaled(sig)),
+            (None, None) => None,
+        }
+    }
 }
 
 /// The workers started by [`spawn`](crate::spawn) or
@@ -121,7 +165,7 @@ impl ProcessContext {
             .children
             .iter()
             .filter(|c| c.outcome.is_none())
-            .map(|c| PollFd::new(&c.pidfd, PollFlags::IN))
+            .map(|c| PollFd::new(c.parent.ready(&c.pidfd), PollFlags::IN))
             .collect();
         let ts = timeout.map(|t| rustix::event::Timespec {
             tv_sec: t.as_secs() as i64,
@@ -166,41 +210,53 @@ impl Drop for ProcessContext {
 
 /// Collects a worker's exit (waiting for it if `block`), and decides what it means.
 pub(crate) fn reap(c: &mut Child, block: bool) {
-    let opts = if block { WaitIdOptions::EXITED } else { WaitIdOptions::EXITED | WaitIdOptions::NOHANG };
-    let status = match rustix::process::waitid(WaitId::PidFd(c.pidfd.as_fd()), opts) {
-        Ok(Some(s)) => s,
-        Ok(None) => return, // still running
-        Err(e) => {
+    let ending = match &c.parent {
+        Parent::This => {
+            let opts =
+                if block { WaitIdOptions::EXITED } else { WaitIdOptions::EXITED | WaitIdOptions::NOHANG };
+            match rustix::process::waitid(WaitId::PidFd(c.pidfd.as_fd()), opts) {
+                Ok(Some(s)) => Ending::of(&s).ok_or_else(|| "unknown exit status".to_string()),
+                Ok(None) => return, // still running
+                Err(e) => Err(format!("waitid failed: {e}")),
+            }
+        }
+        Parent::ForkServer { status } => match super::forkserver::ending(status, &c.pidfd, c.pid, block) {
+            Some(ending) => ending,
+            None => return, // still running
+        },
+    };
+    let ending = match ending {
+        Ok(ending) => ending,
+        Err(reason) => {
             c.outcome = Some(Some(ProcessError {
                 rank: c.rank,
                 pid: c.pid.as_raw_nonzero().get(),
                 task: None,
-                failure: Failure::Lost { reason: format!("waitid failed: {e}") },
+                failure: Failure::Lost { reason },
             }));
             return;
         }
     };
     let (started, report) = read_reports(&c.job);
-    let failure = match (report, status.exit_status(), status.terminating_signal()) {
-        (Some(Report::Done), Some(0), _) => None,
-        (Some(Report::Raised { message, location, backtrace }), _, _) => {
+    let failure = match (report, ending) {
+        (Some(Report::Done), Ending::Exited(0)) => None,
+        (Some(Report::Raised { message, location, backtrace }), _) => {
             Some(Failure::Raised { message, location, backtrace })
         }
-        (Some(Report::Lost { reason }), _, _) => Some(Failure::Lost { reason }),
-        (Some(Report::Unreported { reason }), _, _) => Some(Failure::Unreported { reason }),
-        (_, _, Some(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
-        (_, Some(0), _) if started => Some(Failure::Unreported {
+        (Some(Report::Lost { reason }), _) => Some(Failure::Lost { reason }),
+        (Some(Report::Unreported { reason }), _) => Some(Failure::Unreported { reason }),
+        (_, Ending::Signaled(sig)) => Some(Failure::Signaled { signal: sig, name: signal_name(sig) }),
+        (_, Ending::Exited(0)) if started => Some(Failure::Unreported {
             reason: "exited with code 0 before reporting its result (its job called exit, or exec'd \
                      another program)"
                 .into(),
         }),
-        (_, Some(0), _) => Some(Failure::Lost {
+        (_, Ending::Exited(0)) => Some(Failure::Lost {
             reason: "the worker exited without taking its job; does main() call tensorshare::init() \
                      first (or the test file invoke tensorshare::enable_test_workers!())?"
                 .into(),
         }),
-        (_, Some(code), _) => Some(Failure::Exited { code }),
-        (_, None, None) => Some(Failure::Lost { reason: "unknown exit status".into() }),
+        (_, Ending::Exited(code)) => Some(Failure::Exited { code }),
     };
     c.outcome = Some(failure.map(|failure| ProcessError {
         rank: c.rank,

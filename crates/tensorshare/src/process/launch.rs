@@ -8,7 +8,7 @@ use std::process::Command;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::context::{Child, ProcessContext};
+use super::context::{Child, Parent, ProcessContext};
 use super::handshake::{Invitation, INHERITED_FD};
 use super::job::{entry_name, Job};
 use super::worker::{refuse_if_unstarted, WORKER_ENV};
@@ -37,7 +37,10 @@ pub enum StartMethod {
     Fork,
     /// A single-threaded server process, started on first use, forks the workers: nearly
     /// as fast as Fork and safe when the parent has threads. Workers inherit the server's
-    /// memory, not the parent's.
+    /// memory, not the parent's. They are the server's children: it reaps them and tells
+    /// the parent how each ended, so joins, signals and failures read as with Spawn. They
+    /// die with the server, which lives as long as the parent process (not only the thread
+    /// that started it).
     ForkServer,
 }
 
@@ -109,10 +112,8 @@ where
         for msg in [wire::encode(&name)?, wire::encode(&(rank, job.state(), &args))?] {
             socket::send(ours.as_fd(), msg, Deadline::after(None), &|| true)?;
         }
-        let pid = start(theirs, launch)?;
-        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
-            .map_err(|e| Error::io("pidfd_open of a new worker", e))?;
-        ctx.children.push(Child { rank, pid, pidfd, job: ours, outcome: None });
+        let (pid, pidfd, parent) = start(theirs, launch)?;
+        ctx.children.push(Child { rank, pid, pidfd, job: ours, parent, outcome: None });
     }
     Ok(ctx)
 }
@@ -136,9 +137,10 @@ impl Launch {
     }
 }
 
-/// Starts one worker that reads its job from `job`.
-fn start(job: OwnedFd, launch: Launch) -> Result<rustix::process::Pid> {
-    match launch {
+/// Starts one worker that reads its job from `job`: its pid, a pidfd for it, and who
+/// reaps it.
+fn start(job: OwnedFd, launch: Launch) -> Result<(rustix::process::Pid, OwnedFd, Parent)> {
+    let pid = match launch {
         Launch::Exec(invitation) => exec_worker(WORKER_ENV, job, &invitation),
         #[cfg(feature = "cuda")]
         Launch::Fork if crate::cuda::is_initialized() => Err(Error::Device(
@@ -147,8 +149,16 @@ fn start(job: OwnedFd, launch: Launch) -> Result<rustix::process::Pid> {
                 .into(),
         )),
         Launch::Fork => fork::fork_worker(job),
-        Launch::ForkServer => forkserver::start_worker(job),
-    }
+        Launch::ForkServer => {
+            // The server's child: the server opened its pidfd, and reaps it.
+            let w = forkserver::start_worker(job)?;
+            return Ok((w.pid, w.pidfd, Parent::ForkServer { status: w.status }));
+        }
+    }?;
+    // Our own child, not reaped yet: its pid cannot name another process.
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .map_err(|e| Error::io("pidfd_open of a new worker", e))?;
+    Ok((pid, pidfd, Parent::This))
 }
 
 /// Re-executes this binary as a worker (or fork server) of this process's cleanup group,
