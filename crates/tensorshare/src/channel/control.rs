@@ -189,6 +189,11 @@ impl Control {
     pub(crate) fn acquire(&self, slice: Duration) -> bool {
         let b = self.counters();
         let mut p = b.permits.load(Ordering::Acquire);
+        if p == 0 {
+            // Time to do what is better done while waiting (see `arena::idle`).
+            crate::arena::idle();
+            p = b.permits.load(Ordering::Acquire);
+        }
         // A consumer usually frees a place within microseconds: wait for it awake first, as
         // a sleep and a wake-up cost more than that.
         let spin_until = std::time::Instant::now() + super::socket::SPIN;
