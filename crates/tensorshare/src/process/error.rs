@@ -138,7 +138,7 @@ impl std::fmt::Display for ProcessError {
 impl std::error::Error for ProcessError {}
 
 /// The name of a signal number (`SIGABRT`), or `SIG<n>`.
-pub fn signal_name(signal: i32) -> String {
+pub(crate) fn signal_name(signal: i32) -> String {
     let name = match signal {
         1 => "SIGHUP",
         2 => "SIGINT",

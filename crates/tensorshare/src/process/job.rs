@@ -159,7 +159,7 @@ where
 #[macro_export]
 macro_rules! closure {
     ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| -> $ret:ty $body:block) => {
-        $crate::process::Captured::new(
+        $crate::Captured::new(
             ($($crate::closure!(@capture $cap $(= $init)?),)*),
             |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| -> $ret {
                 #[allow(unused_variables)]
@@ -169,7 +169,7 @@ macro_rules! closure {
         )
     };
     ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| $body:expr) => {
-        $crate::process::Captured::new(
+        $crate::Captured::new(
             ($($crate::closure!(@capture $cap $(= $init)?),)*),
             |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| {
                 #[allow(unused_variables)]
@@ -282,7 +282,7 @@ static TRUST_PATHS: AtomicBool = AtomicBool::new(false);
 /// library's path alone.
 ///
 /// A worker checks that the object holding a job's code is the same build as its parent's
-/// before it runs anything in it (see [the `process` docs](crate::process)): the executable
+/// before it runs anything in it (see [the crate docs](crate#who-is-a-worker-and-what-it-runs)): the executable
 /// by its file and build-id, a shared library by its build-id. A library linked without one
 /// (`-Wl,--build-id=none`, some custom toolchains) leaves nothing to check, so naming a job
 /// in it is an error unless the program calls this first. Linux toolchains write build-ids
@@ -333,7 +333,7 @@ impl JobName {
             return Err(Error::Unsupported(format!(
                 "the code of {} is in {}, which has no GNU build-id, so a worker cannot check that it \
                  loaded the same build; link it with -Wl,--build-id, or see \
-                 tensorshare::process::trust_libraries_without_build_id",
+                 tensorshare::trust_libraries_without_build_id",
                 F::WHAT,
                 at.object
             )));

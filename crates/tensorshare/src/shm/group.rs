@@ -42,6 +42,8 @@ struct Group {
     root: i32,
     /// Holds this process's shared lock; closing it leaves the group.
     _lock: OwnedFd,
+    /// Read by the leak tests only (`raw::cleaner_pid`).
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     cleaner: Option<i32>,
 }
 
@@ -83,7 +85,7 @@ pub(crate) fn for_workers() -> Result<Option<i32>> {
 }
 
 /// The root of this process's group, joining the inherited one or founding one.
-pub fn ensure() -> Result<i32> {
+pub(crate) fn ensure() -> Result<i32> {
     let mut g = crate::util::lock(&GROUP);
     if let Some(g) = g.as_ref() {
         return Ok(g.root);
@@ -145,7 +147,8 @@ fn create_locked(root: i32) -> Result<OwnedFd> {
 /// Leaves the current group and founds a new one with this process as root (as `setsid`
 /// does for sessions): its workers and segments are then cleaned up with it, whatever the
 /// process that started it does. Returns the new root (this process's pid).
-pub fn new_group() -> Result<i32> {
+#[cfg_attr(not(feature = "test-support"), allow(dead_code))]
+pub(crate) fn new_group() -> Result<i32> {
     let mut g = crate::util::lock(&GROUP);
     let me = rustix::process::getpid().as_raw_nonzero().get();
     if g.as_ref().is_some_and(|g| g.root == me) {
@@ -157,12 +160,13 @@ pub fn new_group() -> Result<i32> {
 }
 
 /// The pid of the cleaner this process started for its group, if it founded one.
-pub fn cleaner_pid() -> Option<i32> {
+#[cfg_attr(not(feature = "test-support"), allow(dead_code))]
+pub(crate) fn cleaner_pid() -> Option<i32> {
     crate::util::lock(&GROUP).as_ref().and_then(|g| g.cleaner)
 }
 
 /// The current group's root, if this process is in one.
-pub fn current() -> Option<i32> {
+pub(crate) fn current() -> Option<i32> {
     crate::util::lock(&GROUP).as_ref().map(|g| g.root)
 }
 
