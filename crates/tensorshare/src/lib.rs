@@ -95,12 +95,12 @@ mod wire;
 // that belong there. The modules behind them are private.
 pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, Failure, ProcessError, Result};
 pub use nested::NestedTensor;
 pub use process::{
     allow_fork_with_threads, init, spawn, start_processes, trust_libraries_without_build_id, AsyncResult,
-    Captured, Failure, Job, JobResult, JobReturn, Pool, PoolBuilder, ProcessContext, ProcessError, StarFn,
-    StartMethod, Tasks, DEFAULT_GRACE, WORKER_ARGS,
+    Captured, Job, JobResult, JobReturn, Pool, PoolBuilder, ProcessContext, StarFn, StartMethod, Tasks,
+    DEFAULT_GRACE, WORKER_ARGS,
 };
 pub use sparse::{SparseLayout, SparseTensor};
 pub use storage::Storage;

@@ -32,16 +32,27 @@ pub struct SparseTensor {
     pub(crate) coalesced: bool,
 }
 
-fn index_values(t: &Tensor, what: &str) -> Result<Vec<i64>> {
+/// The constructor of `layout`, as errors name it.
+fn op_of(layout: SparseLayout) -> &'static str {
+    match layout {
+        SparseLayout::Coo => "SparseTensor::coo",
+        SparseLayout::Csr => "SparseTensor::csr",
+        SparseLayout::Csc => "SparseTensor::csc",
+        SparseLayout::Bsr => "SparseTensor::bsr",
+        SparseLayout::Bsc => "SparseTensor::bsc",
+    }
+}
+
+fn index_values(t: &Tensor, what: &str, op: &'static str, size: &[usize]) -> Result<Vec<i64>> {
     if t.dtype() != DType::I64 {
-        return Err(Error::shape(format!("{what} must be int64, got {}", t.dtype())));
+        return Err(Error::shape(op, size, format!("{what} must be int64, got {}", t.dtype())));
     }
     t.to_vec::<i64>()
 }
 
-fn check_range(v: &[i64], bound: usize, what: &str) -> Result<()> {
+fn check_range(v: &[i64], bound: usize, what: &str, op: &'static str, size: &[usize]) -> Result<()> {
     if let Some(bad) = v.iter().find(|&&x| x < 0 || x as u64 >= bound as u64) {
-        return Err(Error::shape(format!("{what} holds {bad}, outside 0..{bound}")));
+        return Err(Error::shape(op, size, format!("{what} holds {bad}, outside 0..{bound}")));
     }
     Ok(())
 }
@@ -50,29 +61,42 @@ impl SparseTensor {
     /// A COO tensor: `indices` is `[sparse_dims, nnz]` (int64), `values` is
     /// `[nnz, dense dims...]`, `size` is the sparse dims followed by the dense dims.
     pub fn coo(indices: Tensor, values: Tensor, size: &[usize]) -> Result<SparseTensor> {
+        const OP: &str = "SparseTensor::coo";
         if indices.ndim() != 2 {
-            return Err(Error::shape(format!("COO indices must be 2-D, got shape {:?}", indices.shape())));
+            return Err(Error::shape(
+                OP,
+                size,
+                format!("COO indices must be 2-D, got shape {:?}", indices.shape()),
+            ));
         }
         let (sparse_dims, nnz) = (indices.shape()[0], indices.shape()[1]);
         if values.ndim() == 0 || values.shape()[0] != nnz {
-            return Err(Error::shape(format!(
-                "COO values must have {nnz} rows (one per index column), got shape {:?}",
-                values.shape()
-            )));
+            return Err(Error::shape(
+                OP,
+                size,
+                format!(
+                    "COO values must have {nnz} rows (one per index column), got shape {:?}",
+                    values.shape()
+                ),
+            ));
         }
         // values.ndim() >= 1 (checked above); an absurd sparse_dims (an index tensor of shape
         // [huge, 0]) must not overflow.
         if sparse_dims.checked_add(values.ndim() - 1) != Some(size.len())
             || values.shape()[1..] != size[sparse_dims..]
         {
-            return Err(Error::shape(format!(
-                "COO size {size:?} does not match {sparse_dims} sparse dims and values of shape {:?}",
-                values.shape()
-            )));
+            return Err(Error::shape(
+                OP,
+                size,
+                format!(
+                    "COO size {size:?} does not match {sparse_dims} sparse dims and values of shape {:?}",
+                    values.shape()
+                ),
+            ));
         }
-        let idx = index_values(&indices, "COO indices")?;
+        let idx = index_values(&indices, "COO indices", OP, size)?;
         for d in 0..sparse_dims {
-            check_range(&idx[d * nnz..(d + 1) * nnz], size[d], &format!("COO indices row {d}"))?;
+            check_range(&idx[d * nnz..(d + 1) * nnz], size[d], &format!("COO indices row {d}"), OP, size)?;
         }
         // Coalesced: coordinates strictly increasing in row-major order (sorted, no repeats).
         let idx = &idx;
@@ -136,13 +160,21 @@ impl SparseTensor {
     ) -> Result<SparseTensor> {
         match (layout, indices.len()) {
             (SparseLayout::Coo, 1) => SparseTensor::coo(indices.remove(0), values, size),
-            (SparseLayout::Coo, n) => Err(Error::shape(format!("a COO tensor has 1 index tensor, not {n}"))),
+            (SparseLayout::Coo, n) => Err(Error::shape(
+                "SparseTensor::from_parts",
+                size,
+                format!("a COO tensor has 1 index tensor, not {n}"),
+            )),
             (_, 2) => {
                 let plain = indices.remove(1);
                 let compressed = indices.remove(0);
                 SparseTensor::compressed(layout, compressed, plain, values, size)
             }
-            (_, n) => Err(Error::shape(format!("a {layout:?} tensor has 2 index tensors, not {n}"))),
+            (_, n) => Err(Error::shape(
+                "SparseTensor::from_parts",
+                size,
+                format!("a {layout:?} tensor has 2 index tensors, not {n}"),
+            )),
         }
     }
 
@@ -153,64 +185,84 @@ impl SparseTensor {
         values: Tensor,
         size: &[usize],
     ) -> Result<SparseTensor> {
+        let op = op_of(layout);
         if size.len() != 2 {
-            return Err(Error::shape(format!("a {layout:?} tensor is 2-D, got size {size:?}")));
+            return Err(Error::shape(op, size, format!("a {layout:?} tensor is 2-D, got size {size:?}")));
         }
         let (block_rows, block_cols) = match layout {
             SparseLayout::Bsr | SparseLayout::Bsc => {
                 if values.ndim() != 3 {
-                    return Err(Error::shape(format!(
-                        "{layout:?} values must be [nnz, block_rows, block_cols], got {:?}",
-                        values.shape()
-                    )));
+                    return Err(Error::shape(
+                        op,
+                        size,
+                        format!(
+                            "{layout:?} values must be [nnz, block_rows, block_cols], got {:?}",
+                            values.shape()
+                        ),
+                    ));
                 }
                 (values.shape()[1], values.shape()[2])
             }
             _ => (1, 1),
         };
         if block_rows == 0 || block_cols == 0 || size[0] % block_rows != 0 || size[1] % block_cols != 0 {
-            return Err(Error::shape(format!(
-                "blocks of {block_rows}x{block_cols} do not tile a {}x{} matrix",
-                size[0], size[1]
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("blocks of {block_rows}x{block_cols} do not tile a {}x{} matrix", size[0], size[1]),
+            ));
         }
         let (rows, cols) = (size[0] / block_rows, size[1] / block_cols);
         let by_rows = matches!(layout, SparseLayout::Csr | SparseLayout::Bsr);
         let (outer, inner) = if by_rows { (rows, cols) } else { (cols, rows) };
         let Some(n_compressed) = outer.checked_add(1) else {
-            return Err(Error::shape(format!(
-                "a {layout:?} tensor of size {size:?} has too many rows or columns"
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("a {layout:?} tensor of size {size:?} has too many rows or columns"),
+            ));
         };
         if compressed.ndim() != 1 || compressed.shape()[0] != n_compressed {
-            return Err(Error::shape(format!(
-                "{layout:?} compressed indices must have shape [{n_compressed}], got {:?}",
-                compressed.shape()
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!(
+                    "{layout:?} compressed indices must have shape [{n_compressed}], got {:?}",
+                    compressed.shape()
+                ),
+            ));
         }
         if plain.ndim() != 1 {
-            return Err(Error::shape(format!(
-                "{layout:?} plain indices must be 1-D, got {:?}",
-                plain.shape()
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("{layout:?} plain indices must be 1-D, got {:?}", plain.shape()),
+            ));
         }
         let nnz = plain.shape()[0];
         if values.ndim() == 0 || values.shape()[0] != nnz {
-            return Err(Error::shape(format!(
-                "{layout:?} values must have {nnz} entries, got shape {:?}",
-                values.shape()
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("{layout:?} values must have {nnz} entries, got shape {:?}", values.shape()),
+            ));
         }
         if matches!(layout, SparseLayout::Csr | SparseLayout::Csc) && values.ndim() != 1 {
-            return Err(Error::shape(format!("{layout:?} values must be 1-D, got {:?}", values.shape())));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("{layout:?} values must be 1-D, got {:?}", values.shape()),
+            ));
         }
-        let c = index_values(&compressed, "compressed indices")?;
+        let c = index_values(&compressed, "compressed indices", op, size)?;
         if c[0] != 0 || c[outer] != nnz as i64 || c.windows(2).any(|w| w[0] > w[1]) {
-            return Err(Error::shape(format!(
-                "{layout:?} compressed indices must rise from 0 to nnz ({nnz}), got {c:?}"
-            )));
+            return Err(Error::shape(
+                op,
+                size,
+                format!("{layout:?} compressed indices must rise from 0 to nnz ({nnz}), got {c:?}"),
+            ));
         }
-        check_range(&index_values(&plain, "plain indices")?, inner, "plain indices")?;
+        check_range(&index_values(&plain, "plain indices", op, size)?, inner, "plain indices", op, size)?;
         Ok(SparseTensor {
             layout,
             size: size.to_vec(),
@@ -296,7 +348,13 @@ impl SparseTensor {
                 let sparse_dims = self.indices[0].shape()[0];
                 let nnz = self.nnz();
                 for d in 0..sparse_dims {
-                    check_range(&idx[d * nnz..(d + 1) * nnz], self.size[d], &format!("COO indices row {d}"))?;
+                    check_range(
+                        &idx[d * nnz..(d + 1) * nnz],
+                        self.size[d],
+                        &format!("COO indices row {d}"),
+                        "to_dense",
+                        &self.size,
+                    )?;
                 }
                 let row: usize = self.size[sparse_dims..].iter().product();
                 let mut seen = std::collections::HashSet::new();
@@ -304,7 +362,9 @@ impl SparseTensor {
                     let at: usize = (0..sparse_dims).map(|d| idx[d * nnz + j] as usize * dstrides[d]).sum();
                     if !seen.insert(at) {
                         return Err(Error::shape(
-                            "to_dense: the COO tensor has repeated coordinates; coalesce it first",
+                            "to_dense",
+                            &self.size,
+                            "the COO tensor has repeated coordinates; coalesce it first",
                         ));
                     }
                     put(at, j * row, row);
@@ -328,11 +388,13 @@ impl SparseTensor {
                     || c[outer] != p.len() as i64
                     || c.windows(2).any(|w| w[0] > w[1])
                 {
-                    return Err(Error::shape(format!(
-                        "{layout:?} compressed indices changed since construction: {c:?}"
-                    )));
+                    return Err(Error::shape(
+                        "to_dense",
+                        &self.size,
+                        format!("{layout:?} compressed indices changed since construction: {c:?}"),
+                    ));
                 }
-                check_range(&p, inner, "plain indices")?;
+                check_range(&p, inner, "plain indices", "to_dense", &self.size)?;
                 for o in 0..c.len() - 1 {
                     for (k, &plain) in p.iter().enumerate().take(c[o + 1] as usize).skip(c[o] as usize) {
                         let (r, col) = if by_rows { (o, plain as usize) } else { (plain as usize, o) };

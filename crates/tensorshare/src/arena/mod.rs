@@ -132,7 +132,12 @@ impl Arena {
 
     /// Creates an arena of `nslots` slots of `slot_size` bytes.
     fn create(slot_size: usize, nslots: usize, strategy: SharingStrategy) -> Result<Arena> {
-        let too_large = || Error::shape(format!("a shared storage of {slot_size} bytes is too large"));
+        let too_large = || {
+            Error::invalid_argument(
+                "storage size",
+                format!("a shared storage of {slot_size} bytes is too large"),
+            )
+        };
         let len =
             slot_size.checked_mul(nslots).and_then(|d| d.checked_add(DATA_OFFSET)).ok_or_else(too_large)?;
         let n32 = u32::try_from(nslots).map_err(|_| too_large())?;

@@ -296,10 +296,10 @@ impl Allocation {
     pub(crate) fn range(&self, off: usize, len: usize) -> Result<u64> {
         match off.checked_add(len) {
             Some(end) if end <= self.size => Ok(self.ptr + off as u64),
-            _ => Err(Error::shape(format!(
-                "bytes {off}..{off}+{len} are outside an allocation of {} bytes",
-                self.size
-            ))),
+            _ => Err(Error::invalid_argument(
+                "device range",
+                format!("bytes {off}..{off}+{len} are outside an allocation of {} bytes", self.size),
+            )),
         }
     }
 
@@ -319,7 +319,9 @@ impl Allocation {
 
     /// Writes `count` copies of a 1-, 2- or 4-byte `pattern` at `off`.
     pub(crate) fn memset(&self, off: usize, pattern: &[u8], count: usize) -> Result<()> {
-        let len = count.checked_mul(pattern.len()).ok_or_else(|| Error::shape("memset length overflows"))?;
+        let len = count.checked_mul(pattern.len()).ok_or_else(|| {
+            Error::invalid_argument("memset length", format!("{count} values overflow usize"))
+        })?;
         let dst = self.range(off, len)?;
         // SAFETY: `range` checked that the bytes lie in this live allocation.
         unsafe { backend()?.memset(self.device, dst, pattern, count) }

@@ -112,9 +112,9 @@ fn span(t: &Tensor) -> Result<(usize, usize)> {
 impl Tensor {
     /// A contiguous tensor of `shape` on `device` with unspecified contents.
     pub fn empty_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        let len = checked_numel(shape)?
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::shape(format!("the byte size of {shape:?} overflows")))?;
+        let len = checked_numel(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::shape("empty_on", shape, format!("the byte size of {shape:?} overflows"))
+        })?;
         match device {
             Device::Cuda(i) => {
                 let storage = Storage::from_shared(len, Shared::Device(Box::new(Allocation::new(i, len)?)));

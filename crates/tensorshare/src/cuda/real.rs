@@ -107,8 +107,12 @@ impl Real {
         let len = len.max(1);
         match st.granularity {
             Some(g) => {
-                let size =
-                    len.div_ceil(g).checked_mul(g).ok_or_else(|| Error::shape("allocation too large"))?;
+                let size = len.div_ceil(g).checked_mul(g).ok_or_else(|| {
+                    Error::invalid_argument(
+                        "allocation size",
+                        format!("{len} bytes overflow when rounded up"),
+                    )
+                })?;
                 let prop = alloc_prop(dev);
                 let mut handle: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: prop is a fully initialised property struct; handle is written.

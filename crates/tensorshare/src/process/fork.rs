@@ -89,7 +89,8 @@ pub(crate) fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
         }
         pid => {
             drop(job);
-            rustix::process::Pid::from_raw(pid).ok_or_else(|| Error::invalid("fork returned pid 0"))
+            rustix::process::Pid::from_raw(pid)
+                .ok_or_else(|| Error::io("fork", std::io::Error::other("it returned pid 0")))
         }
     }
 }

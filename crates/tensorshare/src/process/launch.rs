@@ -195,5 +195,6 @@ pub(crate) fn exec_helper(
     }
     let child = cmd.spawn().map_err(|e| Error::io("starting a worker (exec of /proc/self/exe)", e))?;
     drop(fd);
-    rustix::process::Pid::from_raw(child.id() as i32).ok_or_else(|| Error::invalid("the worker has pid 0"))
+    rustix::process::Pid::from_raw(child.id() as i32)
+        .ok_or_else(|| Error::io("starting a worker", std::io::Error::other("it has pid 0")))
 }

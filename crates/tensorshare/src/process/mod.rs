@@ -6,7 +6,6 @@
 
 mod atfork;
 mod context;
-mod error;
 mod fork;
 mod forkserver;
 mod handshake;
@@ -18,7 +17,9 @@ mod pool_async;
 mod worker;
 
 pub use context::{ProcessContext, DEFAULT_GRACE};
-pub use error::{Failure, ProcessError};
+// What a worker's failure is lives with the crate's error type (below this layer); the
+// modules here still reach it as `super::error`.
+use crate::error::process as error;
 pub use fork::allow_fork_with_threads;
 pub use job::{trust_libraries_without_build_id, Captured, Job, JobResult, JobReturn};
 pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};

@@ -29,11 +29,11 @@ use super::context::{reap, ProcessContext};
 use super::job::{Desc, InitEntry, JobName, JobResult, TaskEntry};
 use super::pool_async::{AsyncResult, StarFn};
 use super::worker::{catch, install_panic_hook, Report};
-use super::{start_processes, Failure, ProcessError, StartMethod};
+use super::{start_processes, StartMethod};
 use crate::channel::socket::{self, Deadline, Record};
 use crate::channel::{pipe, Connection};
 use crate::wire::{self, Encoded};
-use crate::{Error, Result};
+use crate::{Error, Failure, ProcessError, Result};
 
 /// What became of one item, as the worker sends it.
 #[derive(Serialize, Deserialize)]
@@ -163,11 +163,11 @@ impl<I: Fn(usize)> RankInitDesc<I> {
 }
 
 /// A task's error that does not say which item it was about (a result that cannot be
-/// decoded) gets the index.
+/// decoded, an item that could not be sent) gets the index.
 fn name_task(e: Error, index: usize) -> Error {
     match e {
         Error::Process(p) => Error::Process(p),
-        e => Error::InvalidMessage(format!("the result of task {index}: {e}")),
+        e => Error::Task { index, source: Arc::new(e) },
     }
 }
 
@@ -582,7 +582,7 @@ impl Pool {
 
     fn build(n: usize, method: StartMethod, init: Option<Initializer>) -> Result<Pool> {
         if n == 0 {
-            return Err(Error::shape("a pool needs at least one worker"));
+            return Err(Error::invalid_argument("worker count", "a pool needs at least one worker"));
         }
         let mut inner = Inner {
             workers: Vec::with_capacity(n),
@@ -847,9 +847,10 @@ where
             match sent {
                 Ok(()) => self.outstanding += count,
                 Err(e) => {
-                    let text = e.to_string();
+                    // Not sent: every item of the chunk fails with the one cause.
+                    let source = Arc::new(e);
                     for index in first..first + count {
-                        self.finish(index, Err(name_task(Error::InvalidMessage(text.clone()), index)));
+                        self.finish(index, Err(Error::Task { index, source: source.clone() }));
                     }
                 }
             }

@@ -101,7 +101,7 @@ impl<U: DeserializeOwned> AsyncResult<U> {
     fn take(&mut self) -> Result<U> {
         match self.result.as_mut().and_then(Option::take) {
             Some(r) => r,
-            None => Err(Error::invalid("the result of this apply_async was already taken")),
+            None => Err(Error::invalid_argument("AsyncResult", "its result was already taken")),
         }
     }
 }

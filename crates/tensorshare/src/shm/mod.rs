@@ -195,7 +195,9 @@ impl Segment {
                 return Err(Error::io(format!("mmap of {len} bytes of shared memory"), e));
             }
         };
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| {
+            Error::io("mmap of shared memory", std::io::Error::other("it returned address 0"))
+        })?;
         Ok(Segment { fd, ptr, len, id, file, owned_name })
     }
 

@@ -174,12 +174,16 @@ impl Tensor {
         self.check_dtype::<T>()?;
         self.check_cpu()?;
         if src.len() != self.numel() {
-            return Err(Error::shape(format!(
-                "copy_from_slice: {} values for a view of shape {:?} ({} elements)",
-                src.len(),
-                self.shape,
-                self.numel()
-            )));
+            return Err(Error::shape(
+                "copy_from_slice",
+                &self.shape,
+                format!(
+                    "{} values for a view of shape {:?} ({} elements)",
+                    src.len(),
+                    self.shape,
+                    self.numel()
+                ),
+            ));
         }
         self.write_elements(bytemuck::cast_slice(src));
         Ok(())
@@ -251,10 +255,14 @@ impl Tensor {
     /// other handles do meanwhile.
     pub fn copy_into(&self, dst: &mut Tensor) -> Result<()> {
         if self.shape != dst.shape || self.dtype != dst.dtype {
-            return Err(Error::shape(format!(
-                "copy: source is {} {:?}, destination is {} {:?}",
-                self.dtype, self.shape, dst.dtype, dst.shape
-            )));
+            return Err(Error::shape(
+                "copy_into",
+                &self.shape,
+                format!(
+                    "source is {} {:?}, destination is {} {:?}",
+                    self.dtype, self.shape, dst.dtype, dst.shape
+                ),
+            ));
         }
         self.check_cpu()?;
         dst.check_cpu()?;
@@ -277,7 +285,7 @@ impl Tensor {
 }
 
 pub(super) fn bad_bits<T: Element>(e: bytemuck::checked::CheckedCastError) -> Error {
-    Error::shape(format!("the tensor's bytes are not valid {} values: {e}", T::DTYPE))
+    Error::InvalidValue { dtype: T::DTYPE, reason: e.to_string() }
 }
 
 #[cfg(test)]

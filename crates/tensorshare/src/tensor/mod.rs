@@ -11,7 +11,6 @@ pub use atomic::{AtomicElement, AtomicView};
 
 use serde::{Deserialize, Serialize};
 
-use crate::util::checked_mul;
 use crate::{get_sharing_strategy, DType, Element, Error, Result, SharingStrategy, Storage};
 
 /// Where a tensor's data lives.
@@ -96,19 +95,27 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
+/// `a * b` in the arithmetic of `shape`, as an error instead of an overflow.
+fn checked_mul(a: usize, b: usize, shape: &[usize], what: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| Error::shape("size", shape, format!("{what} of shape {shape:?} overflows usize")))
+}
+
 /// Number of elements of `shape`, or an error if it overflows.
 pub(crate) fn checked_numel(shape: &[usize]) -> Result<usize> {
-    shape.iter().try_fold(1usize, |acc, &d| checked_mul(acc, d, "the number of elements"))
+    shape.iter().try_fold(1usize, |acc, &d| checked_mul(acc, d, shape, "the number of elements"))
 }
 
 /// Byte size of a tensor of `shape`, or an error if it overflows or exceeds `isize::MAX`
 /// (the most any allocation, or a Rust slice, can hold).
 pub(crate) fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
-    let len = checked_mul(checked_numel(shape)?, dtype.size(), "the byte size")?;
+    let len = checked_mul(checked_numel(shape)?, dtype.size(), shape, "the byte size")?;
     if len > isize::MAX as usize {
-        return Err(Error::shape(format!(
-            "a {dtype} tensor of shape {shape:?} would need {len} bytes, more than any allocation can hold"
-        )));
+        return Err(Error::shape(
+            "size",
+            shape,
+            format!("a {dtype} tensor of shape {shape:?} would need {len} bytes, more than any allocation can hold"),
+        ));
     }
     Ok(len)
 }
@@ -138,10 +145,11 @@ impl Tensor {
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Tensor> {
         let n = checked_numel(shape)?;
         if n != data.len() {
-            return Err(Error::shape(format!(
-                "shape {shape:?} has {n} elements, but {} values were given",
-                data.len()
-            )));
+            return Err(Error::shape(
+                "from_slice",
+                shape,
+                format!("shape {shape:?} has {n} elements, but {} values were given", data.len()),
+            ));
         }
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let storage = Storage::try_new(bytes.len())?;
@@ -350,10 +358,10 @@ impl Tensor {
     /// in torch.
     pub fn set_requires_grad(&mut self, requires_grad: bool) -> Result<&mut Self> {
         if requires_grad && !self.dtype.is_float() {
-            return Err(Error::shape(format!(
-                "only floating-point tensors can require gradients, this one is {}",
-                self.dtype
-            )));
+            return Err(Error::invalid_argument(
+                "requires_grad",
+                format!("only floating-point tensors can require gradients, this one is {}", self.dtype),
+            ));
         }
         self.requires_grad = requires_grad;
         Ok(self)
@@ -413,31 +421,41 @@ pub(crate) fn check_bounds(
     offset: usize,
 ) -> Result<()> {
     if shape.len() != strides.len() {
-        return Err(Error::shape(format!("shape {shape:?} and strides {strides:?} have different lengths")));
+        return Err(Error::shape(
+            "from_storage",
+            shape,
+            format!("shape {shape:?} and strides {strides:?} have different lengths"),
+        ));
     }
     byte_len(shape, dtype)?;
     let out_of_bounds = |needs: &dyn std::fmt::Display| {
-        Error::shape(format!(
-            "a {dtype} view of shape {shape:?}, strides {strides:?} and offset {offset} needs {needs} bytes, \
-             its storage has {storage_len}"
-        ))
+        Error::shape(
+            "from_storage",
+            shape,
+            format!(
+                "a {dtype} view of shape {shape:?}, strides {strides:?} and offset {offset} needs {needs} bytes, \
+                 its storage has {storage_len}"
+            ),
+        )
     };
     if checked_numel(shape)? == 0 {
         return match offset.checked_mul(dtype.size()) {
             Some(start) if start <= storage_len => Ok(()),
             Some(start) => Err(out_of_bounds(&start)),
-            None => Err(Error::shape("the tensor's offset overflows")),
+            None => Err(Error::shape("from_storage", shape, "the tensor's offset overflows")),
         };
     }
     let mut last = offset;
     for (&d, &s) in shape.iter().zip(strides) {
-        let span = checked_mul(d - 1, s, "the tensor's extent")?;
-        last = last.checked_add(span).ok_or_else(|| Error::shape("the tensor's extent overflows"))?;
+        let span = checked_mul(d - 1, s, shape, "the extent")?;
+        last = last
+            .checked_add(span)
+            .ok_or_else(|| Error::shape("from_storage", shape, "the tensor's extent overflows"))?;
     }
     let end = last
         .checked_add(1)
         .and_then(|e| e.checked_mul(dtype.size()))
-        .ok_or_else(|| Error::shape("the tensor's extent overflows"))?;
+        .ok_or_else(|| Error::shape("from_storage", shape, "the tensor's extent overflows"))?;
     if end > storage_len {
         return Err(out_of_bounds(&end));
     }

@@ -1,4 +1,6 @@
 //! [`ProcessError`]: how a worker failed, as torch reports it.
+//!
+//! Plain data: the process layer fills it in, and [`Error`](crate::Error) carries it.
 
 use serde::{Deserialize, Serialize};
 
