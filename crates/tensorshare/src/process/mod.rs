@@ -13,7 +13,6 @@ mod image;
 mod job;
 mod launch;
 mod pool;
-mod pool_async;
 mod worker;
 
 pub use context::{ProcessContext, DEFAULT_GRACE};
@@ -24,8 +23,7 @@ pub use fork::allow_fork_with_threads;
 pub use job::{trust_libraries_without_build_id, Captured, Job, JobResult, JobReturn};
 pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 
-pub use pool::{Pool, PoolBuilder, Tasks};
-pub use pool_async::{AsyncResult, StarFn};
+pub use pool::{AsyncResult, Pool, PoolBuilder, StarFn, Tasks};
 
 pub(crate) use handshake::{arrive, Arrival, Invitation, Invited, Role};
 pub(crate) use launch::exec_helper;
