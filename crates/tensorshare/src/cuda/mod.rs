@@ -35,13 +35,14 @@
 //! like VMM handles: that is how the sharing machinery is tested on machines without one.
 
 mod alloc;
+mod cache;
 mod driver;
 mod event;
 mod real;
 mod sim;
 
-pub use alloc::{collect, empty_cache, memory_stats, MemoryStats};
 pub(crate) use alloc::{AllocId, Allocation};
+pub use cache::{collect, empty_cache, memory_stats, MemoryStats};
 pub use driver::DRIVER_ENV;
 pub(crate) use driver::{Export, IpcBytes};
 pub use event::Event;
