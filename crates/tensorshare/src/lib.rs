@@ -77,6 +77,7 @@ mod atomic_bytes;
 mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 mod dtype;
 mod error;
 mod nested;
@@ -94,6 +95,7 @@ mod wire;
 // Every public item has one path: the crate root, or `segments` (and `cuda`) for the few
 // that belong there. The modules behind them are private.
 pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
+pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Failure, ProcessError, Result};
 pub use nested::NestedTensor;
@@ -107,7 +109,7 @@ pub use storage::Storage;
 pub use strategy::{
     get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy, SharingStrategy, STRATEGY_ENV,
 };
-pub use tensor::{AtomicElement, AtomicView, Device, Tensor, TensorKind};
+pub use tensor::{AtomicElement, AtomicView, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
 
 /// The bare codec, for tests and hostile-peer tools (feature `test-support`, off by

@@ -2,8 +2,8 @@
 //! over an existing [`Storage`] with explicit geometry (checked against it).
 
 use super::geometry::{byte_len, check_bounds, checked_numel, contiguous_strides};
-use super::{Device, Tensor, TensorKind};
-use crate::{get_sharing_strategy, DType, Element, Error, Result, SharingStrategy, Storage};
+use super::{Tensor, TensorKind};
+use crate::{get_sharing_strategy, DType, Device, Element, Error, Result, SharingStrategy, Storage};
 
 impl Tensor {
     pub(crate) fn from_parts(storage: Storage, dtype: DType, shape: Vec<usize>) -> Tensor {

@@ -4,7 +4,7 @@
 //! `constructors`: making tensors. `geometry`: shape arithmetic and the bounds check.
 //! `view`: new geometry over the same storage. `elements`: walking a view's elements.
 //! `access`: safe copies in and out. `borrow`: zero-copy borrows. `atomic`: the lock-free
-//! view. `array`: ndarray views.
+//! view. `array`: ndarray views. `device`: tensors on CUDA devices.
 
 mod access;
 #[cfg(feature = "ndarray")]
@@ -12,6 +12,8 @@ mod array;
 mod atomic;
 mod borrow;
 mod constructors;
+#[cfg(feature = "cuda")]
+mod device;
 mod elements;
 mod geometry;
 mod view;
@@ -21,28 +23,7 @@ pub(crate) use geometry::{checked_numel, contiguous_strides};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{get_sharing_strategy, DType, Element, Error, Result, SharingStrategy, Storage};
-
-/// Where a tensor's data lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Device {
-    /// Host memory (private or shared).
-    Cpu,
-    /// No data at all: shape and dtype only (torch's meta device).
-    Meta,
-    /// A CUDA device, by ordinal.
-    Cuda(u32),
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Meta => f.write_str("meta"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
+use crate::{get_sharing_strategy, DType, Device, Element, Error, Result, SharingStrategy, Storage};
 
 /// Whether a tensor is a plain tensor or a model parameter (torch's `nn.Parameter`); the
 /// kind travels with the tensor.

@@ -70,7 +70,7 @@ where
     /// default, for 0): one message per chunk instead of one per item, for many small
     /// tasks. Results still come one per item, in the same order, and an error names its
     /// item's index among all the items. A worker that dies fails the item it was running
-    /// with how it died, and the rest of its chunk with [`Failure::Lost`].
+    /// with how it died, and the rest of its chunk with [`Failure::Lost`](crate::Failure::Lost).
     pub fn chunksize(mut self, n: usize) -> Self {
         self.chunksize = n.max(1);
         self
