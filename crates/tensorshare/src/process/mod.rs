@@ -5,6 +5,7 @@
 //! in the crate docs, section *Workers*; `job` and `handshake` hold the mechanism.
 
 mod atfork;
+mod cleaner;
 mod context;
 mod fork;
 mod forkserver;
@@ -25,9 +26,8 @@ pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
 
 pub use pool::{AsyncResult, Pool, PoolBuilder, StarFn, Tasks};
 
-pub(crate) use handshake::{arrive, Arrival, Invitation, Invited, Role};
-pub(crate) use launch::exec_helper;
-pub(crate) use worker::exit_now;
+use handshake::{arrive, Arrival, Role};
+use worker::exit_now;
 
 /// The first line of `main`. In a worker it runs the worker's job and exits the process;
 /// everywhere else it returns at once.
