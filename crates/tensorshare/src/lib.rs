@@ -72,6 +72,9 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+// The modules are layers, and imports go down (README, "How it works"; the order and its
+// check are in tests/layering.rs). Every public item has one path: the crate root, or
+// `segments` and `cuda` for the few that belong there; the modules behind them are private.
 mod arena;
 mod atomic_bytes;
 mod channel;
@@ -92,8 +95,6 @@ mod thread;
 mod util;
 mod wire;
 
-// Every public item has one path: the crate root, or `segments` (and `cuda`) for the few
-// that belong there. The modules behind them are private.
 pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
 pub use device::Device;
 pub use dtype::{DType, Element};

@@ -9,6 +9,10 @@ pub(crate) mod process;
 use std::io;
 use std::sync::Arc;
 
+// layering: an error names the dtypes it is about (DTypeMismatch, InvalidValue); DType is
+// plain data whose one import is this type, for the error of a name that is no dtype.
+use crate::DType;
+
 pub use process::{Failure, ProcessError};
 
 /// What went wrong. Variants are stable enough to match on; new ones may be added.
@@ -64,7 +68,7 @@ pub enum Error {
     #[error("the tensor's bytes are not valid {dtype} values: {reason}")]
     InvalidValue {
         /// The dtype the bytes were read as.
-        dtype: crate::DType,
+        dtype: DType,
         /// What is wrong with them.
         reason: String,
     },
@@ -72,9 +76,9 @@ pub enum Error {
     #[error("dtype mismatch: the tensor holds {actual}, but {requested} was requested")]
     DTypeMismatch {
         /// The tensor's dtype.
-        actual: crate::DType,
+        actual: DType,
         /// The dtype the caller asked for.
-        requested: crate::DType,
+        requested: DType,
     },
     /// The operation needs a contiguous tensor; call `.contiguous()` first.
     #[error("the tensor is not contiguous (shape {shape:?}, strides {strides:?}); call .contiguous() first")]
