@@ -69,6 +69,19 @@
 //! program can waive, `unsafe`ly. So a worker never jumps to an address that it has not
 //! checked to be an entry of this very build, across shared libraries as well
 //! (`-C prefer-dynamic`, a job in a `dylib`).
+//!
+//! # Paths
+//! Every item has one path: the crate root, except the tools of the shared-memory
+//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
+//! modules behind them are private:
+//!
+//! ```compile_fail,E0603
+//! use tensorshare::process::Pool; // the path is tensorshare::Pool
+//! ```
+//!
+//! ```compile_fail,E0603
+//! use tensorshare::channel::Queue; // the path is tensorshare::Queue
+//! ```
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
