@@ -12,8 +12,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use tensorshare::channel::SharedFd;
-use tensorshare::{raw, DType, Device, NestedTensor, Queue, SparseTensor, Tensor};
+use tensorshare::{raw, DType, Device, NestedTensor, Queue, SharedFd, SparseTensor, Tensor};
 
 /// The value every message is decoded as.
 pub type Sample = (Vec<Tensor>, Vec<SparseTensor>, NestedTensor, Queue<u32>, SharedFd);

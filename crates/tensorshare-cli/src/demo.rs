@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use tensorshare::channel::SharedFd;
-use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, Tensor};
+use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharedFd, SharingStrategy, Tensor};
 
 use crate::info::human;
 

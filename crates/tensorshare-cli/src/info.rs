@@ -1,6 +1,6 @@
 //! `tensorshare info`: what this machine offers for sharing tensors.
 
-use tensorshare::shm::{available_bytes, shm_dir};
+use tensorshare::segments::{available_bytes, shm_dir};
 use tensorshare::{get_all_sharing_strategies, get_sharing_strategy};
 
 pub fn run() -> tensorshare::Result<()> {

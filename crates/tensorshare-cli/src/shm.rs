@@ -3,8 +3,8 @@
 use crate::info::human;
 
 pub fn ls() -> Result<(), String> {
-    let segments = tensorshare::shm::list().map_err(|e| e.to_string())?;
-    let dir = tensorshare::shm::shm_dir();
+    let segments = tensorshare::segments::list().map_err(|e| e.to_string())?;
+    let dir = tensorshare::segments::shm_dir();
     if segments.is_empty() {
         println!("no tensorshare segments of this user in {}", dir.display());
         return Ok(());
@@ -19,7 +19,7 @@ pub fn ls() -> Result<(), String> {
 }
 
 pub fn gc(dry_run: bool) -> Result<(), String> {
-    let removed = tensorshare::shm::gc(dry_run).map_err(|e| e.to_string())?;
+    let removed = tensorshare::segments::gc(dry_run).map_err(|e| e.to_string())?;
     let verb = if dry_run { "would remove" } else { "removed" };
     for name in &removed {
         println!("{verb} {name}");

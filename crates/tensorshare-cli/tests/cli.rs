@@ -91,7 +91,7 @@ fn shm_ls_and_gc_remove_only_dead_groups() {
         .find(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
         .unwrap();
     let planted = format!("tensorshare_{dead}_{dead}_00000000deadbeef");
-    let dir = tensorshare::shm::shm_dir();
+    let dir = tensorshare::segments::shm_dir();
     std::fs::write(dir.join(&planted), vec![0u8; 4096]).unwrap();
 
     let (ok, out, err) = tensorshare(&["shm", "ls"], &[]);

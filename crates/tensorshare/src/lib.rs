@@ -37,19 +37,69 @@
 //!
 //! As in torch, the program orders accesses for meaningful values: a message on a queue
 //! orders what came before `put` before what comes after `get`.
+//!
+//! # Workers
+//! [`spawn`], [`start_processes`] and [`Pool`] run Rust closures in other processes, whose
+//! `main` starts with [`init`]. A worker runs a closure: one that captures nothing (the worker runs the same
+//! executable, so it has the same code), or one made with [`closure!`](crate::closure)
+//! whose captured variables are sent along. Arguments travel as a message, so tensors in
+//! them are shared, not copied, and queues and pipes work in the worker.
+//!
+//! Workers die with their parent (PR_SET_PDEATHSIG). In Linux terms the parent is the
+//! *thread* that started them: start long-lived workers from a thread that outlives them.
+//!
+//! ## Who is a worker, and what it runs
+//! A re-executed worker ([`StartMethod::Spawn`], and the fork server) is this program again,
+//! told by a variable (`TENSORSHARE_WORKER`, `TENSORSHARE_FORKSERVER`) that it is one. The
+//! variable alone proves nothing, so [`init`] makes a process a worker only when its parent
+//! proves that it started it as one: descriptor 3 must be an AF_UNIX SOCK_SEQPACKET socket
+//! whose peer (SO_PEERCRED, recorded by the kernel) is the parent the variable names, and a
+//! hello must already wait on it with the random token the variable holds. Otherwise
+//! `init` writes one line to stderr and returns: the program runs as usual, it never waits
+//! on a socket it was not given. The same proof guards the shared-memory cleaner, which
+//! runs before `main` (see [`segments`]).
+//!
+//! A parent names the job to run by the loaded object that holds its code (the executable,
+//! or a shared library by path), that object's GNU build-id, an offset in it, and a hash of
+//! the job's type name. The hello carries the parent's executable identity (file and
+//! build-id), and a worker of another executable refuses, with an error its parent
+//! reports. A worker then calls the named code only after it has checked that the object
+//! is loaded and the same build, and that the bytes at the offset are a job descriptor of
+//! the right kind and type; see [`trust_libraries_without_build_id`] for the one check a
+//! program can waive, `unsafe`ly. So a worker never jumps to an address that it has not
+//! checked to be an entry of this very build, across shared libraries as well
+//! (`-C prefer-dynamic`, a job in a `dylib`).
+//!
+//! # Paths
+//! Every item has one path: the crate root, except the tools of the shared-memory
+//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
+//! modules behind them are private:
+//!
+//! ```compile_fail,E0603
+//! use tensorshare::process::Pool; // the path is tensorshare::Pool
+//! ```
+//!
+//! ```compile_fail,E0603
+//! use tensorshare::channel::Queue; // the path is tensorshare::Queue
+//! ```
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+// The modules are layers, and imports go down (README, "How it works"; the order and its
+// check are in tests/layering.rs). Every public item has one path: the crate root, or
+// `segments` and `cuda` for the few that belong there; the modules behind them are private.
 mod arena;
 mod atomic_bytes;
-pub mod channel;
+mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 mod dtype;
 mod error;
 mod nested;
-pub mod process;
-pub mod shm;
+mod process;
+pub mod segments;
+mod shm;
 mod sparse;
 mod storage;
 mod strategy;
@@ -58,19 +108,22 @@ mod thread;
 mod util;
 mod wire;
 
-pub use channel::{pipe, Connection, Queue, SendError, SimpleQueue};
+pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
+pub use device::Device;
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, Failure, ProcessError, Result};
 pub use nested::NestedTensor;
 pub use process::{
-    init, spawn, start_processes, Captured, Failure, Job, Pool, ProcessContext, ProcessError, StartMethod,
+    allow_fork_with_threads, init, spawn, start_processes, trust_libraries_without_build_id, AsyncResult,
+    Captured, Job, JobResult, JobReturn, Pool, PoolBuilder, ProcessContext, StarFn, StartMethod, Tasks,
+    DEFAULT_GRACE, WORKER_ARGS,
 };
 pub use sparse::{SparseLayout, SparseTensor};
 pub use storage::Storage;
 pub use strategy::{
     get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy, SharingStrategy, STRATEGY_ENV,
 };
-pub use tensor::{AtomicElement, AtomicView, Device, Tensor, TensorKind};
+pub use tensor::{AtomicElement, AtomicView, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
 
 /// The bare codec, for tests and hostile-peer tools (feature `test-support`, off by
@@ -97,6 +150,23 @@ pub mod raw {
     /// A message back into a value, as a receiver would.
     pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
         crate::wire::decode(bytes, fds, false)
+    }
+
+    /// Leaves this process's cleanup group and founds a new one with this process as its
+    /// root (see `shm::group`), so that a test's named segments can be told apart from
+    /// every other test's. Returns the new root (this process's pid).
+    pub fn new_group() -> crate::Result<i32> {
+        crate::shm::group::new_group()
+    }
+
+    /// The root of this process's cleanup group, joining the inherited one or founding one.
+    pub fn ensure_group() -> crate::Result<i32> {
+        crate::shm::group::ensure()
+    }
+
+    /// The pid of the cleaner this process started for its group, if it founded one.
+    pub fn cleaner_pid() -> Option<i32> {
+        crate::shm::group::cleaner_pid()
     }
 }
 

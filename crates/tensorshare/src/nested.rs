@@ -16,27 +16,41 @@ impl NestedTensor {
     /// Packs `tensors` (same dtype, same number of dimensions ≥ 1, same sizes after the
     /// first) into one private buffer.
     pub fn from_tensors(tensors: &[Tensor]) -> Result<NestedTensor> {
-        let first =
-            tensors.first().ok_or_else(|| Error::shape("a nested tensor needs at least one component"))?;
+        const OP: &str = "NestedTensor::from_tensors";
+        let first = tensors
+            .first()
+            .ok_or_else(|| Error::shape(OP, &[], "a nested tensor needs at least one component"))?;
         if first.ndim() == 0 {
-            return Err(Error::shape("nested tensor components must have at least one dimension"));
+            return Err(Error::shape(
+                OP,
+                first.shape(),
+                "nested tensor components must have at least one dimension",
+            ));
         }
         for (i, t) in tensors.iter().enumerate() {
             if t.dtype() != first.dtype() || t.ndim() != first.ndim() || t.shape()[1..] != first.shape()[1..]
             {
-                return Err(Error::shape(format!(
-                    "component {i} is {} {:?}, component 0 is {} {:?}: only the first dimension may differ",
-                    t.dtype(),
+                return Err(Error::shape(
+                    OP,
                     t.shape(),
-                    first.dtype(),
-                    first.shape()
-                )));
+                    format!(
+                        "component {i} is {} {:?}, component 0 is {} {:?}: only the first dimension may differ",
+                        t.dtype(),
+                        t.shape(),
+                        first.dtype(),
+                        first.shape()
+                    ),
+                ));
             }
         }
-        let total = tensors
-            .iter()
-            .try_fold(0usize, |acc, t| acc.checked_add(t.numel()))
-            .ok_or_else(|| Error::shape("the components of a nested tensor have too many elements in all"))?;
+        let total =
+            tensors.iter().try_fold(0usize, |acc, t| acc.checked_add(t.numel())).ok_or_else(|| {
+                Error::shape(
+                    OP,
+                    first.shape(),
+                    "the components of a nested tensor have too many elements in all",
+                )
+            })?;
         let buffer = Tensor::try_zeros(&[total], first.dtype())?;
         let mut offsets = Vec::with_capacity(tensors.len());
         let mut at = 0;
@@ -52,11 +66,20 @@ impl NestedTensor {
     /// Rebuilds a nested tensor from its parts, checking that each component fits the
     /// buffer.
     pub fn from_parts(buffer: Tensor, sizes: Vec<Vec<usize>>, offsets: Vec<usize>) -> Result<NestedTensor> {
+        const OP: &str = "NestedTensor::from_parts";
         if buffer.ndim() != 1 || !buffer.is_contiguous() {
-            return Err(Error::shape("a nested tensor's buffer must be 1-D and contiguous"));
+            return Err(Error::shape(
+                OP,
+                buffer.shape(),
+                "a nested tensor's buffer must be 1-D and contiguous",
+            ));
         }
         if sizes.len() != offsets.len() || sizes.is_empty() {
-            return Err(Error::shape("a nested tensor needs one offset per component, and a component"));
+            return Err(Error::shape(
+                OP,
+                buffer.shape(),
+                "a nested tensor needs one offset per component, and a component",
+            ));
         }
         for (size, &off) in sizes.iter().zip(&offsets) {
             let n = crate::tensor::checked_numel(size)?;
@@ -64,10 +87,14 @@ impl NestedTensor {
                 || size[1..] != sizes[0][1..]
                 || off.checked_add(n).is_none_or(|e| e > buffer.numel())
             {
-                return Err(Error::shape(format!(
-                    "nested component of size {size:?} at offset {off} does not fit a buffer of {} elements",
-                    buffer.numel()
-                )));
+                return Err(Error::shape(
+                    OP,
+                    size,
+                    format!(
+                        "nested component of size {size:?} at offset {off} does not fit a buffer of {} elements",
+                        buffer.numel()
+                    ),
+                ));
             }
         }
         Ok(NestedTensor { buffer, sizes, offsets })

@@ -30,7 +30,12 @@ struct PrivateBuf {
 
 impl PrivateBuf {
     fn zeroed(len: usize) -> Result<PrivateBuf> {
-        let too_large = || Error::shape(format!("a storage of {len} bytes is too large to allocate"));
+        let too_large = || {
+            Error::invalid_argument(
+                "storage size",
+                format!("a storage of {len} bytes is too large to allocate"),
+            )
+        };
         let size = len.checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
         let layout = Layout::from_size_align(size, ALIGN).map_err(|_| too_large())?;
         if size == 0 {

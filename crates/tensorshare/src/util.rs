@@ -22,11 +22,6 @@ pub(crate) fn random_bytes(buf: &mut [u8]) {
     }
 }
 
-/// `a * b` for shape arithmetic, as an error instead of an overflow.
-pub(crate) fn checked_mul(a: usize, b: usize, what: &str) -> crate::Result<usize> {
-    a.checked_mul(b).ok_or_else(|| crate::Error::shape(format!("{what} overflows usize")))
-}
-
 /// Locks `m`, also after another thread panicked while holding it: every structure behind
 /// the library's mutexes stays valid at each step (they hold caches and bookkeeping whose
 /// invariants no panic can leave half-updated), so a poisoned lock is still usable.

@@ -9,10 +9,9 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::type_complexity)] // queues of tuples, spelled out in each test
 
-use tensorshare::channel::SharedFd;
 use tensorshare::cuda::{self, Event};
 use tensorshare::{
-    raw, spawn, start_processes, DType, Device, Error, Queue, StartMethod, Tensor, TensorKind,
+    raw, spawn, start_processes, DType, Device, Error, Queue, SharedFd, StartMethod, Tensor, TensorKind,
 };
 
 tensorshare::enable_test_workers!();

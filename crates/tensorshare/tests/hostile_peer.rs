@@ -5,8 +5,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use tensorshare::channel::SharedFd;
-use tensorshare::{pipe, raw, spawn, Connection, DType, Error, Queue, SharingStrategy, Tensor};
+use tensorshare::{pipe, raw, spawn, Connection, DType, Error, Queue, SharedFd, SharingStrategy, Tensor};
 
 tensorshare::enable_test_workers!();
 
@@ -385,7 +384,7 @@ fn named_truncation(_: ()) {
     )
     .unwrap();
     assert_eq!(go.recv().unwrap(), 0);
-    let path = tensorshare::shm::shm_dir().join(&name);
+    let path = tensorshare::segments::shm_dir().join(&name);
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
     go.send(1).unwrap();
     let err = ctx.join(None).unwrap_err();

@@ -2,8 +2,7 @@
 
 use std::time::Duration;
 
-use tensorshare::process::{AsyncResult, Pool};
-use tensorshare::{DType, Error, Failure, Queue, SharingStrategy, StartMethod, Tensor};
+use tensorshare::{AsyncResult, DType, Error, Failure, Pool, Queue, SharingStrategy, StartMethod, Tensor};
 
 tensorshare::enable_test_workers!();
 

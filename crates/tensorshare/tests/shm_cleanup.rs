@@ -7,14 +7,14 @@ use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 
 use serde::{Deserialize, Serialize};
-use tensorshare::shm::{self, group};
+use tensorshare::{raw, segments};
 use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, Storage, Tensor};
 
 tensorshare::enable_test_workers!();
 
 /// The files of the group of `root`: segments (with a creator) and the lock.
-fn files_of(root: i32) -> Vec<shm::SegmentInfo> {
-    shm::list().unwrap().into_iter().filter(|s| s.root == root).collect()
+fn files_of(root: i32) -> Vec<segments::SegmentInfo> {
+    segments::list().unwrap().into_iter().filter(|s| s.root == root).collect()
 }
 
 fn pidfd(pid: i32) -> OwnedFd {
@@ -52,8 +52,8 @@ where
 }
 
 fn found_group(status: &Queue<(i32, i32)>) -> i32 {
-    let root = group::new_group().unwrap();
-    status.put((root, group::cleaner_pid().unwrap())).unwrap();
+    let root = raw::new_group().unwrap();
+    status.put((root, raw::cleaner_pid().unwrap())).unwrap();
     set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
     root
 }

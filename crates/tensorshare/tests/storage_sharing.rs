@@ -39,7 +39,7 @@ fn test_fs_is_shared() {
     assert_eq!(t.storage().sharing_strategy(), Some(SharingStrategy::FileSystem));
     let name = t.storage().segment_name().expect("a file_system storage has a named segment");
     assert!(name.starts_with(&format!("tensorshare_{}_", std::process::id())), "{name}");
-    let path = tensorshare::shm::shm_dir().join(&name);
+    let path = tensorshare::segments::shm_dir().join(&name);
     let meta = std::fs::metadata(&path).unwrap();
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(meta.permissions().mode() & 0o777, 0o600, "segments are private to their user");
@@ -87,7 +87,7 @@ fn an_impossible_memfd_request_is_out_of_shared_memory_not_a_crash() {
 fn a_full_shm_filesystem_gives_out_of_shared_memory() {
     // The process's cleanup group lives in the real /dev/shm: found it before one thread
     // moves to its own mount namespace.
-    tensorshare::shm::group::ensure().unwrap();
+    tensorshare::raw::ensure_group().unwrap();
     let outcome = std::thread::spawn(|| -> Result<(), String> {
         use rustix::mount::{mount, mount_change, MountFlags, MountPropagationFlags};
         use rustix::thread::{unshare_unsafe, UnshareFlags};
@@ -100,7 +100,7 @@ fn a_full_shm_filesystem_gives_out_of_shared_memory() {
             .map_err(|e| format!("making / private: {e}"))?;
         mount("tmpfs", "/dev/shm", "tmpfs", MountFlags::empty(), Some(c"size=1m"))
             .map_err(|e| format!("mounting a tmpfs: {e}"))?;
-        let dir = tensorshare::shm::shm_dir();
+        let dir = tensorshare::segments::shm_dir();
         let small =
             Tensor::empty_shared_with(&[1000], DType::U8, SharingStrategy::FileSystem).and_then(|mut t| {
                 t.fill(3u8)?;

@@ -150,10 +150,9 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
 }
 
 fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) -> Result<Slot> {
-    let want = len
-        .checked_next_multiple_of(PAGE)
-        .filter(|&w| w <= isize::MAX as usize)
-        .ok_or_else(|| Error::shape(format!("a shared storage of {len} bytes is too large")))?;
+    let want = len.checked_next_multiple_of(PAGE).filter(|&w| w <= isize::MAX as usize).ok_or_else(|| {
+        Error::invalid_argument("storage size", format!("a shared storage of {len} bytes is too large"))
+    })?;
     // Reuse a free arena that is big enough but not wastefully big, smallest first.
     let mut fits: Vec<usize> = (0..alloc.large.len())
         .filter(|&i| {

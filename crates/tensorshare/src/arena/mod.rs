@@ -31,7 +31,9 @@
 
 mod allocator;
 mod borrow;
+mod hold;
 mod locks;
+mod send;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::AtomicBool;
@@ -43,6 +45,7 @@ use crate::{Error, Result, SharingStrategy};
 
 pub(crate) use allocator::{allocate, trim};
 pub(crate) use borrow::{idle, let_go, settle};
+pub(crate) use hold::Slot;
 use locks::{conflict, lock_range, range_free, runs};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"TSARENA2");
@@ -146,7 +149,12 @@ impl Arena {
 
     /// Creates an arena of `nslots` slots of `slot_size` bytes.
     fn create(slot_size: usize, nslots: usize, strategy: SharingStrategy) -> Result<Arena> {
-        let too_large = || Error::shape(format!("a shared storage of {slot_size} bytes is too large"));
+        let too_large = || {
+            Error::invalid_argument(
+                "storage size",
+                format!("a shared storage of {slot_size} bytes is too large"),
+            )
+        };
         let len =
             slot_size.checked_mul(nslots).and_then(|d| d.checked_add(DATA_OFFSET)).ok_or_else(too_large)?;
         let n32 = u32::try_from(nslots).map_err(|_| too_large())?;
@@ -284,227 +292,10 @@ impl Arena {
         u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1)
     }
 
-    /// One more handle of each of `slots` in this process (a slot may appear more than
-    /// once). A holder's first handle of a slot takes the process's lock on it; locks are
-    /// taken in runs of adjacent slots, and slots waiting to be given back are kept instead.
-    ///
-    /// With `via`, the description of the message that names the slots (which holds them
-    /// all), a first handle borrows that hold instead of locking (see `borrow`). Returns
-    /// whether it did.
-    pub(crate) fn hold(&self, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<bool> {
-        let mut st = self.state();
-        if let Some(&bad) = slots.iter().find(|&&s| s >= self.nslots) {
-            return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
-        }
-        let mut borrowed = false;
-        if !self.creator && self.is_own() {
-            // Slots without a handle here yet, each once (a message may name one twice).
-            let mut first: Vec<u32> = slots.iter().copied().filter(|&s| st.local[s as usize] == 0).collect();
-            first.sort_unstable();
-            first.dedup();
-            let mut need: Vec<u32> = Vec::new();
-            for slot in first {
-                if let Some(p) = st.pending.iter().position(|&q| q == slot) {
-                    st.pending.swap_remove(p);
-                } else {
-                    need.push(slot);
-                }
-            }
-            match via {
-                Some(fd) if !need.is_empty() => {
-                    if st.borrowed.is_empty() {
-                        st.borrowed = vec![None; self.nslots as usize];
-                    }
-                    for &slot in &need {
-                        st.borrowed[slot as usize] = Some(fd.clone());
-                    }
-                    st.nborrowed += need.len();
-                    borrowed = true;
-                }
-                _ => {
-                    for (start, len) in runs(&mut need) {
-                        lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
-                            .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
-                    }
-                }
-            }
-        }
-        for &slot in slots {
-            let c = &mut st.local[slot as usize];
-            *c = c.checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
-        }
-        Ok(borrowed)
-    }
-
-    /// One handle of `slot` less; the last one gives the process's lock back (in a run with
-    /// others: see `PENDING_SLOTS`).
-    fn release(&self, slot: u32) {
-        let mut st = self.state();
-        let i = slot as usize;
-        st.local[i] = st.local[i].saturating_sub(1);
-        if st.local[i] == 0 && self.creator && self.is_large() && self.is_own() {
-            // A large storage of ours is freed: keep its arena for reuse only within bounds.
-            st.idle_since = Some(std::time::Instant::now());
-            drop(st);
-            let strategy = if self.seg.name().is_some() {
-                SharingStrategy::FileSystem
-            } else {
-                SharingStrategy::FileDescriptor
-            };
-            allocator::large_freed(strategy);
-            return;
-        }
-        if st.local[i] == 0 && !self.creator && self.is_own() {
-            if let Some(fd) = st.borrowed.get_mut(i).and_then(Option::take) {
-                // Held through a message's description, not a lock of ours: letting it go is
-                // all there is to give back.
-                st.nborrowed -= 1;
-                drop(st);
-                drop(fd);
-                return;
-            }
-            if self.nslots == 1 {
-                // A relay's send description would keep the arena's only slot locked for up
-                // to SEND_BATCH messages, and its creator would make a new arena meanwhile:
-                // let it go (messages in flight keep theirs).
-                st.send = None;
-            }
-            st.pending.push(slot);
-            if self.nslots == 1
-                || st.pending.len() >= PENDING_SLOTS
-                || st.pending.len() * self.slot_size >= PENDING_BYTES
-            {
-                self.flush(&mut st);
-            }
-        }
-    }
-
-    /// Gives back the locks of the slots waiting for it, in runs. Unlocking cannot fail for
-    /// ranges we locked; if it did, the slots would stay held until this process drops the
-    /// arena or exits: never less.
-    fn flush(&self, st: &mut State) {
-        for (start, len) in runs(&mut st.pending) {
-            let _ = lock_range(self.seg.fd(), start, len, libc::F_UNLCK);
-        }
-        st.pending.clear();
-    }
-
-    /// The description a message naming `slots` of this arena carries, with each slot
-    /// locked on it. The caller holds a handle of each slot.
-    pub(crate) fn send_hold(self: &Arc<Self>, slots: &[u32]) -> Result<Arc<OwnedFd>> {
-        if !self.is_own() {
-            return Err(Error::Unsupported(
-                "a storage inherited through fork cannot be sent from the child; send it from the \
-                 parent, or copy it"
-                    .into(),
-            ));
-        }
-        let mut st = self.state();
-        if let Some(via) = forwarded(&st, slots) {
-            // Slots this process holds through the description of the message that brought
-            // them: that description holds them all, and nobody unlocks it. It goes on.
-            return Ok(via);
-        }
-        if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH || s.nlocked >= SEND_SLOTS) {
-            st.send = None;
-        }
-        if st.send.is_none() {
-            let n = self.nslots as usize;
-            let fd = match st.spare.take() {
-                Some(fd) => fd,
-                None => self.seg.reopen()?,
-            };
-            borrow::note_spare_wanted(self);
-            st.send = Some(SendHold {
-                fd: Arc::new(fd),
-                locked: vec![false; n],
-                sent: vec![false; n],
-                nlocked: 0,
-                messages: 0,
-            });
-        }
-        let st = &mut *st;
-        let send = st.send.as_mut().expect("set above");
-        let mut need: Vec<u32> = slots.iter().copied().filter(|&s| !send.locked[s as usize]).collect();
-        for (start, len) in runs(&mut need) {
-            // The creator locks ahead: the slots after these are the ones it hands out next.
-            let len = if self.creator { len.max(CHECK_RUN).min(self.nslots - start) } else { len };
-            lock_range(send.fd.as_fd(), start, len, libc::F_RDLCK)
-                .map_err(|e| Error::io("locking slots for a message (F_OFD_SETLK)", e))?;
-            for l in &mut send.locked[start as usize..(start + len) as usize] {
-                send.nlocked += usize::from(!*l);
-                *l = true;
-            }
-        }
-        for &slot in slots {
-            send.sent[slot as usize] = true;
-            if self.creator {
-                st.exposed[slot as usize] = true;
-            }
-        }
-        send.messages += 1;
-        Ok(send.fd.clone())
-    }
-
     /// Whether any slot is in use: by a handle here, or by a lock of another description.
     fn in_use(&self) -> bool {
         let mut st = self.state();
         st.send = None;
         st.local.iter().any(|&c| c != 0) || !matches!(range_free(self.seg.fd(), 0, self.nslots), Ok(true))
-    }
-}
-
-/// The one borrowed description through which this process holds all of `slots`, if any.
-fn forwarded(st: &State, slots: &[u32]) -> Option<Arc<OwnedFd>> {
-    let first = st.borrowed.get(*slots.first()? as usize)?.as_ref()?;
-    slots
-        .iter()
-        .all(|&s| st.borrowed.get(s as usize).and_then(Option::as_ref).is_some_and(|f| Arc::ptr_eq(f, first)))
-        .then(|| first.clone())
-}
-
-/// One holder's claim on a slot: the storage's memory. Dropping it gives the claim back.
-pub(crate) struct Slot {
-    arena: Arc<Arena>,
-    slot: u32,
-}
-
-impl std::fmt::Debug for Slot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slot").field("arena", self.arena.seg.id()).field("slot", &self.slot).finish()
-    }
-}
-
-impl Slot {
-    /// Handles of `slots` of a received arena, in order: this process now holds them, with
-    /// locks of its own, or through `via`, the message's description (see `borrow`).
-    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<Vec<Slot>> {
-        if arena.hold(slots, via)? {
-            borrow::note_borrower(arena);
-        }
-        Ok(slots.iter().map(|&slot| Slot { arena: arena.clone(), slot }).collect())
-    }
-
-    pub(crate) fn arena(&self) -> &Arc<Arena> {
-        &self.arena
-    }
-
-    pub(crate) fn slot(&self) -> u32 {
-        self.slot
-    }
-
-    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
-        self.arena.slot_ptr(self.slot)
-    }
-
-    #[cfg(test)]
-    pub(crate) fn capacity(&self) -> usize {
-        self.arena.slot_size
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.arena.release(self.slot);
     }
 }

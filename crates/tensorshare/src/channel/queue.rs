@@ -280,7 +280,10 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// A queue of at most `capacity` values: `put` waits while it is full.
     pub fn with_capacity(capacity: usize) -> Result<Queue<T>> {
         let cap = u32::try_from(capacity).ok().filter(|&c| c > 0 && c < u32::MAX).ok_or_else(|| {
-            Error::shape(format!("a queue capacity must be in 1..{}, got {capacity}", u32::MAX))
+            Error::invalid_argument(
+                "queue capacity",
+                format!("a queue capacity must be in 1..{}, got {capacity}", u32::MAX),
+            )
         })?;
         Ok(Queue { core: Core::create(Some(cap))?, _t: PhantomData })
     }

@@ -7,6 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::driver::{backend, IpcBytes};
+// layering: an Event travels in messages, and why a received one is refused must reach the
+// receiver's error, which only the codec can carry through serde (`wire::de_error`).
+use crate::wire::de_error;
 use crate::{Device, Error, Result};
 
 /// Send events per device, reused round-robin. Re-recording an event that a consumer has
@@ -194,7 +197,7 @@ impl<'de> Deserialize<'de> for Event {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Event, D::Error> {
         let r = EventRepr::deserialize(d)?;
         let handle: IpcBytes =
-            r.handle.try_into().map_err(|_| crate::wire::de_error("an event handle is not 64 bytes"))?;
-        Event::from_ipc_handle(Device::Cuda(r.device), handle).map_err(crate::wire::de_error)
+            r.handle.try_into().map_err(|_| de_error("an event handle is not 64 bytes"))?;
+        Event::from_ipc_handle(Device::Cuda(r.device), handle).map_err(de_error)
     }
 }

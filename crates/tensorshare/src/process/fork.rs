@@ -62,7 +62,7 @@ fn check_threads() -> Result<()> {
             "StartMethod::Fork refused: this process has {} threads, and a lock another thread holds \
              at the fork (stdout, the environment, the program's own) would stay locked in the worker \
              for good; use StartMethod::Spawn or StartMethod::ForkServer, or see \
-             tensorshare::process::allow_fork_with_threads",
+             tensorshare::allow_fork_with_threads",
             n.map_or_else(|| "an unknown number of".to_string(), |n| n.to_string())
         ))),
     }
@@ -89,7 +89,8 @@ pub(crate) fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
         }
         pid => {
             drop(job);
-            rustix::process::Pid::from_raw(pid).ok_or_else(|| Error::invalid("fork returned pid 0"))
+            rustix::process::Pid::from_raw(pid)
+                .ok_or_else(|| Error::io("fork", std::io::Error::other("it returned pid 0")))
         }
     }
 }

@@ -30,7 +30,7 @@ pub enum StartMethod {
     /// program's are not, nor are the standard library's (stdout and stderr, the
     /// environment, the panic hook). So a parent with other threads is refused, unless the
     /// program calls the `unsafe`
-    /// [`allow_fork_with_threads`](crate::process::allow_fork_with_threads) first. The
+    /// [`allow_fork_with_threads`](crate::allow_fork_with_threads) first. The
     /// worker gets the standard streams, its job socket, and the files and shared memory of
     /// its parent; every other socket and pipe end it inherited becomes `/dev/null`, so
     /// that it keeps no conversation of its parent alive.
@@ -205,5 +205,6 @@ pub(crate) fn exec_helper(
     }
     let child = cmd.spawn().map_err(|e| Error::io("starting a worker (exec of /proc/self/exe)", e))?;
     drop(fd);
-    rustix::process::Pid::from_raw(child.id() as i32).ok_or_else(|| Error::invalid("the worker has pid 0"))
+    rustix::process::Pid::from_raw(child.id() as i32)
+        .ok_or_else(|| Error::io("starting a worker", std::io::Error::other("it has pid 0")))
 }

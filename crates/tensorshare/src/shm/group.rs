@@ -6,11 +6,11 @@
 //! file `tensorshare_<root>_group`; the kernel drops a member's lock when it dies, by any
 //! means. Every named segment of the group is called `tensorshare_<root>_<creator>_<random>`.
 //!
-//! The founder starts a *cleaner*: this executable again, which does its work in a
-//! constructor that runs before `main` (so it never runs the program itself), in a session
-//! of its own; it is no member and is not killed with the group. It waits for an
-//! exclusive lock on the lock file, which the kernel grants once every member is gone, and
-//! then removes every file of the group. So after SIGKILL of any or all members, nothing is
+//! The founder starts a *cleaner* (`process::cleaner`): this executable again, which does
+//! its work in a constructor that runs before `main` (so it never runs the program itself),
+//! in a session of its own; it is no member and is not killed with the group. It waits for
+//! an exclusive lock on the lock file, which the kernel grants once every member is gone,
+//! and then removes every file of the group (`remove_group`). So after SIGKILL of any or all members, nothing is
 //! left once the last one is gone, with nobody running a command; and while any member
 //! lives, every segment (hence every message in flight) stays readable.
 //!
@@ -21,27 +21,24 @@
 //! file the hello carries: the cleaner checks that it is the very file it finds under the
 //! group's name. Anything less, and the program runs as usual.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Mutex;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 use super::{shm_dir, NAME_PREFIX};
-// Upward, for a reason: a group's cleaner is this executable re-executed, proven by the same
-// handshake as a worker, so starting one is the process layer's business.
-use crate::process::{self, Arrival, Invitation, Invited, Role};
 use crate::{Error, Result};
 
 /// Names the group a worker joins: the root's pid.
 pub(crate) const GROUP_ENV: &str = "TENSORSHARE_SHM_GROUP";
-/// Set in a cleaner.
-const CLEANER_ENV: &str = "TENSORSHARE_SHM_CLEANER";
 
 struct Group {
     root: i32,
     /// Holds this process's shared lock; closing it leaves the group.
     _lock: OwnedFd,
+    /// Read by the leak tests only (`raw::cleaner_pid`).
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     cleaner: Option<i32>,
 }
 
@@ -52,7 +49,20 @@ pub(crate) fn lock_name(root: i32) -> String {
     format!("{NAME_PREFIX}{root}_group")
 }
 
-fn open_lock(root: i32) -> Result<OwnedFd> {
+/// Starts the cleaner of a group whose lock file is given; returns its pid.
+pub(crate) type StartCleaner = fn(BorrowedFd<'_>) -> Result<i32>;
+
+/// How a founder starts its cleaner. A cleaner is this executable re-executed and proven
+/// by the same handshake as a worker, which is the process layer's business: that layer
+/// sets this before `main` (`process::cleaner`), so the group only knows that one must run.
+static START_CLEANER: OnceLock<StartCleaner> = OnceLock::new();
+
+/// Sets how cleaners are started (once, before `main`).
+pub(crate) fn set_cleaner_starter(start: StartCleaner) {
+    let _ = START_CLEANER.set(start);
+}
+
+pub(crate) fn open_lock(root: i32) -> Result<OwnedFd> {
     let path = shm_dir().join(lock_name(root));
     rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty())
         .map_err(|e| Error::io(format!("opening the group lock {}", path.display()), e))
@@ -83,7 +93,7 @@ pub(crate) fn for_workers() -> Result<Option<i32>> {
 }
 
 /// The root of this process's group, joining the inherited one or founding one.
-pub fn ensure() -> Result<i32> {
+pub(crate) fn ensure() -> Result<i32> {
     let mut g = crate::util::lock(&GROUP);
     if let Some(g) = g.as_ref() {
         return Ok(g.root);
@@ -104,7 +114,12 @@ fn found() -> Result<Group> {
     let root = rustix::process::getpid().as_raw_nonzero().get();
     let lock = create_locked(root)?;
     // The lock first, then the cleaner: it must find a member when it starts waiting.
-    let cleaner = start_cleaner(&lock)?;
+    let start = START_CLEANER.get().ok_or_else(|| {
+        Error::Unsupported(
+            "no cleaner can be started for a cleanup group: the process layer did not load".into(),
+        )
+    })?;
+    let cleaner = start(lock.as_fd())?;
     Ok(Group { root, _lock: lock, cleaner: Some(cleaner) })
 }
 
@@ -145,7 +160,8 @@ fn create_locked(root: i32) -> Result<OwnedFd> {
 /// Leaves the current group and founds a new one with this process as root (as `setsid`
 /// does for sessions): its workers and segments are then cleaned up with it, whatever the
 /// process that started it does. Returns the new root (this process's pid).
-pub fn new_group() -> Result<i32> {
+#[cfg_attr(not(feature = "test-support"), allow(dead_code))]
+pub(crate) fn new_group() -> Result<i32> {
     let mut g = crate::util::lock(&GROUP);
     let me = rustix::process::getpid().as_raw_nonzero().get();
     if g.as_ref().is_some_and(|g| g.root == me) {
@@ -157,90 +173,14 @@ pub fn new_group() -> Result<i32> {
 }
 
 /// The pid of the cleaner this process started for its group, if it founded one.
-pub fn cleaner_pid() -> Option<i32> {
+#[cfg_attr(not(feature = "test-support"), allow(dead_code))]
+pub(crate) fn cleaner_pid() -> Option<i32> {
     crate::util::lock(&GROUP).as_ref().and_then(|g| g.cleaner)
 }
 
 /// The current group's root, if this process is in one.
-pub fn current() -> Option<i32> {
+pub(crate) fn current() -> Option<i32> {
     crate::util::lock(&GROUP).as_ref().map(|g| g.root)
-}
-
-/// Starts the cleaner of this process's group, whose lock file is `lock`.
-fn start_cleaner(lock: &OwnedFd) -> Result<i32> {
-    // Started as a worker is, with the group's lock file in its hello as the proof of which
-    // group it cleans: the group of the process that made the socket (no variable names
-    // it). Nothing else passes on the socket: the cleaner outlives its parent.
-    let (ours, theirs) = crate::channel::socket::pair()?;
-    let invitation = Invitation::send(ours.as_fd(), &[lock.as_fd()])?;
-    let pid = crate::process::exec_helper(CLEANER_ENV, theirs, &invitation, &[])?;
-    Ok(pid.as_raw_nonzero().get())
-}
-
-/// Runs in every process of a program that links tensorshare, before `main`: in the cleaner
-/// it does the cleaner's work and exits, so the cleaner never runs the program's own `main`,
-/// whether or not that calls [`init`](crate::init). Anywhere else (the variable unset, or
-/// not proven, see the module docs) it returns and the program runs.
-#[used]
-#[link_section = ".init_array"]
-static CLEANER_HOOK: extern "C" fn() = cleaner_hook;
-
-extern "C" fn cleaner_hook() {
-    // Before main: this process has one thread, as `arrive` requires.
-    match process::arrive(CLEANER_ENV, Role::Cleaner) {
-        Arrival::Program => {}
-        Arrival::Invited(invited) => run_cleaner(invited),
-        Arrival::Orphaned => process::exit_now(0),
-        Arrival::Refused { reason, .. } => {
-            eprintln!("tensorshare: shared-memory cleaner: {reason}");
-            process::exit_now(1)
-        }
-    }
-}
-
-/// The cleaner's life (in the re-executed process): wait until every member is gone,
-/// remove the group's files, exit.
-fn run_cleaner(invited: Invited) -> ! {
-    drop(invited.sock);
-    let code = match clean_when_dead(invited.parent, invited.fds) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("tensorshare: shared-memory cleaner: {e}");
-            1
-        }
-    };
-    process::exit_now(code)
-}
-
-/// Cleans the group of `root` once its members are gone; `proof` is what the founder
-/// attached to the hello: the group's lock file.
-fn clean_when_dead(root: i32, proof: Vec<OwnedFd>) -> Result<()> {
-    // Not in the group's session: Ctrl-C does not reach it.
-    let _ = rustix::process::setsid();
-    // A lock of our own: flock belongs to an open file, and the founder's is shared.
-    let lock = open_lock(root)?;
-    let same_file = |a: &OwnedFd, b: &OwnedFd| match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {
-        (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
-        _ => false,
-    };
-    match proof.as_slice() {
-        [founders] if same_file(founders, &lock) => {}
-        _ => {
-            return Err(Error::invalid(format!(
-                "the founder of group {root} did not send the lock file {}; nothing removed",
-                lock_name(root)
-            )))
-        }
-    }
-    drop(proof);
-    loop {
-        match rustix::fs::flock(&lock, FlockOperation::LockExclusive) {
-            Ok(()) => break,
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(Error::io("flock(LOCK_EX) on the group lock", e)),
-        }
-    }
-    remove_group(root, false).map(|_| ())
 }
 
 /// Removes (or, with `dry_run`, lists) every file of the group of `root`, the lock file

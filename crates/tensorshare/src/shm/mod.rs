@@ -4,7 +4,7 @@
 //!
 //! Everything here is Linux. A macOS backend (file_system only) would replace this module.
 
-pub mod group;
+pub(crate) mod group;
 mod limits;
 mod named;
 pub(crate) mod sealed;
@@ -18,7 +18,7 @@ use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 
 pub use limits::{available_bytes, shm_dir, SHM_DIR_ENV};
-pub use named::{is_valid_name, parse_name, unlink as unlink_name, NAME_PREFIX};
+pub(crate) use named::{is_valid_name, parse_name, unlink as unlink_name, NAME_PREFIX};
 pub use tools::{gc, list, SegmentInfo};
 
 use crate::{Error, Result, SharingStrategy};
@@ -26,7 +26,7 @@ use crate::{Error, Result, SharingStrategy};
 /// The identity of a segment, the same in every process that maps it: the key of the
 /// receive cache.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum SegmentId {
+pub(crate) enum SegmentId {
     /// A memfd, by device and inode number.
     Inode {
         /// `st_dev`.
@@ -41,7 +41,7 @@ pub enum SegmentId {
 /// The identity of an open file, (st_dev, st_ino), as the kernel reports it for a
 /// descriptor: what the receive cache keys arenas by, so that a process names an arena
 /// only through a descriptor it holds.
-pub type FileId = (u64, u64);
+pub(crate) type FileId = (u64, u64);
 
 /// The identity of the file `fd` refers to.
 pub(crate) fn file_id(fd: BorrowedFd<'_>) -> Result<FileId> {
@@ -52,7 +52,7 @@ pub(crate) fn file_id(fd: BorrowedFd<'_>) -> Result<FileId> {
 /// A shared-memory segment mapped into this process (read and write).
 ///
 /// The descriptor is kept open so that the segment can be sent on to other processes.
-pub struct Segment {
+pub(crate) struct Segment {
     fd: OwnedFd,
     ptr: NonNull<u8>,
     len: usize,
@@ -79,7 +79,7 @@ impl Segment {
     /// Creates a segment of `len` bytes (`len > 0`) with the given strategy, its space
     /// reserved with `fallocate`, so that a full filesystem or memory limit is an
     /// [`Error::OutOfSharedMemory`] now and never a SIGBUS later.
-    pub fn create(len: usize, strategy: SharingStrategy) -> Result<Segment> {
+    pub(crate) fn create(len: usize, strategy: SharingStrategy) -> Result<Segment> {
         assert!(len > 0, "Segment::create needs a positive length");
         match strategy {
             SharingStrategy::FileDescriptor => {
@@ -115,7 +115,7 @@ impl Segment {
     /// claims; the file must be at least that long. Only a memfd sealed against shrinking
     /// and growing is accepted: nobody, the sender included, can then cut the pages this
     /// process maps, so touching them can never raise SIGBUS.
-    pub fn from_fd(fd: OwnedFd, min_len: usize) -> Result<Segment> {
+    pub(crate) fn from_fd(fd: OwnedFd, min_len: usize) -> Result<Segment> {
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a received fd", e))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(Error::invalid("a received descriptor is not a shared-memory file"));
@@ -145,7 +145,7 @@ impl Segment {
     ///
     /// Named files cannot be sealed: see the threat model in the README for what a peer
     /// that truncates one can do.
-    pub fn from_named_fd(fd: OwnedFd, name: &str) -> Result<Segment> {
+    pub(crate) fn from_named_fd(fd: OwnedFd, name: &str) -> Result<Segment> {
         if !is_valid_name(name) {
             return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
         }
@@ -195,43 +195,40 @@ impl Segment {
                 return Err(Error::io(format!("mmap of {len} bytes of shared memory"), e));
             }
         };
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| {
+            Error::io("mmap of shared memory", std::io::Error::other("it returned address 0"))
+        })?;
         Ok(Segment { fd, ptr, len, id, file, owned_name })
     }
 
     /// The first byte of the mapping.
-    pub fn as_ptr(&self) -> *const u8 {
+    pub(crate) fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
 
     /// The first byte of the mapping, to write through. Other processes map the same
     /// pages: see the crate's memory model for who may write what.
-    pub fn as_mut_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
     /// The mapping's length in bytes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the segment has no bytes (never true: segments are created non-empty).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The identity shared by every process that maps this segment.
-    pub fn id(&self) -> &SegmentId {
+    pub(crate) fn id(&self) -> &SegmentId {
         &self.id
     }
 
     /// The file's identity (device, inode).
-    pub fn file_id(&self) -> FileId {
+    pub(crate) fn file_id(&self) -> FileId {
         self.file
     }
 
     /// The file name, for a named segment.
-    pub fn name(&self) -> Option<&str> {
+    pub(crate) fn name(&self) -> Option<&str> {
         match &self.id {
             SegmentId::Name(n) => Some(n),
             SegmentId::Inode { .. } => None,
@@ -239,7 +236,7 @@ impl Segment {
     }
 
     /// The descriptor, to pass the segment on.
-    pub fn fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 

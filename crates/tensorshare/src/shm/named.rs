@@ -11,11 +11,11 @@ use super::shm_dir;
 use crate::{Error, Result};
 
 /// Every named segment's file name starts with this, then the creating pid and `_`.
-pub const NAME_PREFIX: &str = "tensorshare_";
+pub(crate) const NAME_PREFIX: &str = "tensorshare_";
 
 /// Whether `name` can be a segment name: our prefix, then letters, digits and `_` only.
 /// Names come from messages, so this keeps a message from opening any other file.
-pub fn is_valid_name(name: &str) -> bool {
+pub(crate) fn is_valid_name(name: &str) -> bool {
     name.len() < 200
         && name.starts_with(NAME_PREFIX)
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
@@ -23,7 +23,7 @@ pub fn is_valid_name(name: &str) -> bool {
 
 /// The parts of a segment's name: (group root, creating pid), or None for the group's lock
 /// file and foreign names.
-pub fn parse_name(name: &str) -> Option<(i32, i32)> {
+pub(crate) fn parse_name(name: &str) -> Option<(i32, i32)> {
     let mut parts = name.strip_prefix(NAME_PREFIX)?.split('_');
     let root = parts.next()?.parse().ok()?;
     let creator = parts.next()?.parse().ok()?;
@@ -77,6 +77,6 @@ fn sweep_dead_creators(root: i32, me: i32) {
 }
 
 /// Removes a named segment's file; the memory lives on while anyone maps it.
-pub fn unlink(name: &str) {
+pub(crate) fn unlink(name: &str) {
     let _ = rustix::fs::unlink(shm_dir().join(name));
 }

@@ -76,7 +76,8 @@ impl SealedBytes {
         let p =
             unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ, MapFlags::SHARED, &fd, 0) }
                 .map_err(|e| Error::io(format!("mmap of a {len}-byte message"), e))?;
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| Error::invalid("mmap returned null"))?;
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap of a message", std::io::Error::other("it returned address 0")))?;
         Ok(SealedBytes { ptr, len, _fd: fd })
     }
 

@@ -5,6 +5,7 @@
 //! same bytes at the same time, and that must not be a data race. What is read is copied
 //! into private memory first and validated there (a `bool` must be 0 or 1).
 
+use super::elements::{for_each_offset, try_vec_with_capacity};
 use super::Tensor;
 use crate::atomic_bytes;
 use crate::{DType, Element, Error, Result};
@@ -12,60 +13,7 @@ use crate::{DType, Element, Error, Result};
 /// Bytes read or written at a time through a private buffer.
 const CHUNK: usize = 4096;
 
-/// Calls `f` with the storage offset (in elements) of every element of a view, in
-/// row-major order.
-pub(crate) fn for_each_offset(shape: &[usize], strides: &[usize], base: usize, mut f: impl FnMut(usize)) {
-    if shape.contains(&0) {
-        return;
-    }
-    let Some((&inner, outer)) = shape.split_last() else {
-        f(base);
-        return;
-    };
-    let inner_stride = strides[strides.len() - 1];
-    let mut idx = vec![0usize; outer.len()];
-    let mut start = base;
-    loop {
-        for i in 0..inner {
-            f(start + i * inner_stride);
-        }
-        // Advance the outer index like an odometer. Only offsets of elements are ever
-        // formed (each is in bounds, see check_bounds), so nothing here overflows, even
-        // with a huge stride on a dimension of size one.
-        let mut d = outer.len();
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            if idx[d] + 1 < outer[d] {
-                idx[d] += 1;
-                start += strides[d];
-                break;
-            }
-            start -= strides[d] * idx[d];
-            idx[d] = 0;
-        }
-    }
-}
-
-/// A vector with room for `n` values, or an error if it cannot be allocated.
-pub(crate) fn try_vec_with_capacity<T>(n: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::AllocationFailed { bytes: n.saturating_mul(std::mem::size_of::<T>()) })?;
-    Ok(v)
-}
-
 impl Tensor {
-    /// Address of the element at storage offset `elem` (in elements). Forming it is always
-    /// defined (wrapping arithmetic); whoever reads or writes through it shows that `elem`
-    /// is an element of this view (or the view's own offset for a view without elements),
-    /// which `check_bounds`, run on every tensor's construction, keeps in the storage.
-    pub(super) fn elem_ptr(&self, elem: usize) -> *mut u8 {
-        self.storage.as_mut_ptr().wrapping_add(elem.wrapping_mul(self.dtype.size()))
-    }
-
     /// Reads the elements of this host view in row-major order into a private buffer, a
     /// chunk of whole elements at a time, and hands each chunk to `f`.
     fn read_chunks(&self, mut f: impl FnMut(&[u8])) {
@@ -174,12 +122,16 @@ impl Tensor {
         self.check_dtype::<T>()?;
         self.check_cpu()?;
         if src.len() != self.numel() {
-            return Err(Error::shape(format!(
-                "copy_from_slice: {} values for a view of shape {:?} ({} elements)",
-                src.len(),
-                self.shape,
-                self.numel()
-            )));
+            return Err(Error::shape(
+                "copy_from_slice",
+                &self.shape,
+                format!(
+                    "{} values for a view of shape {:?} ({} elements)",
+                    src.len(),
+                    self.shape,
+                    self.numel()
+                ),
+            ));
         }
         self.write_elements(bytemuck::cast_slice(src));
         Ok(())
@@ -251,10 +203,14 @@ impl Tensor {
     /// other handles do meanwhile.
     pub fn copy_into(&self, dst: &mut Tensor) -> Result<()> {
         if self.shape != dst.shape || self.dtype != dst.dtype {
-            return Err(Error::shape(format!(
-                "copy: source is {} {:?}, destination is {} {:?}",
-                self.dtype, self.shape, dst.dtype, dst.shape
-            )));
+            return Err(Error::shape(
+                "copy_into",
+                &self.shape,
+                format!(
+                    "source is {} {:?}, destination is {} {:?}",
+                    self.dtype, self.shape, dst.dtype, dst.shape
+                ),
+            ));
         }
         self.check_cpu()?;
         dst.check_cpu()?;
@@ -277,38 +233,12 @@ impl Tensor {
 }
 
 pub(super) fn bad_bits<T: Element>(e: bytemuck::checked::CheckedCastError) -> Error {
-    Error::shape(format!("the tensor's bytes are not valid {} values: {e}", T::DTYPE))
+    Error::InvalidValue { dtype: T::DTYPE, reason: e.to_string() }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn offsets_follow_strides() {
-        let mut v = Vec::new();
-        for_each_offset(&[2, 3], &[1, 2], 10, |o| v.push(o));
-        assert_eq!(v, vec![10, 12, 14, 11, 13, 15]);
-        let mut s = Vec::new();
-        for_each_offset(&[], &[], 7, |o| s.push(o));
-        assert_eq!(s, vec![7]);
-        let mut e = Vec::new();
-        for_each_offset(&[3, 0], &[1, 1], 0, |o| e.push(o));
-        assert!(e.is_empty());
-    }
-
-    #[test]
-    fn offsets_of_a_huge_stride_on_a_dimension_of_size_one_do_not_overflow() {
-        let mut v = Vec::new();
-        for_each_offset(&[1, 3], &[usize::MAX, 1], 1, |o| v.push(o));
-        assert_eq!(v, vec![1, 2, 3]);
-        let t =
-            Tensor::from_storage(crate::Storage::new(16), DType::F32, &[1, 3], &[usize::MAX, 1], 1).unwrap();
-        assert_eq!(t.to_vec::<f32>().unwrap(), vec![0.0; 3]);
-        let t =
-            Tensor::from_storage(crate::Storage::new(12), DType::F32, &[3, 1], &[1, usize::MAX], 0).unwrap();
-        assert_eq!(t.to_bytes().unwrap().len(), 12);
-    }
 
     #[test]
     fn bool_bytes_are_checked() {

@@ -58,7 +58,11 @@ impl Tensor {
     pub unsafe fn view_mut<T: Element>(&mut self) -> Result<ArrayViewMutD<'_, T>> {
         self.check_view::<T>()?;
         if has_overlap(&self.shape, &self.strides) {
-            return Err(Error::shape("a mutable view needs elements that do not overlap"));
+            return Err(Error::shape(
+                "view_mut",
+                &self.shape,
+                "a mutable view needs elements that do not overlap",
+            ));
         }
         let (shape, ptr) = self.raw_view::<T>();
         // SAFETY: as in `view`; in addition the elements do not overlap (checked above), so

@@ -1,39 +1,29 @@
 //! [`Tensor`]: a dense, strided view of a [`Storage`].
+//!
+//! Here: the type, its accessors and flags, and moving it into shared memory.
+//! `constructors`: making tensors. `geometry`: shape arithmetic and the bounds check.
+//! `view`: new geometry over the same storage. `elements`: walking a view's elements.
+//! `access`: safe copies in and out. `borrow`: zero-copy borrows. `atomic`: the lock-free
+//! view. `array`: ndarray views. `device`: tensors on CUDA devices.
 
 mod access;
 #[cfg(feature = "ndarray")]
 mod array;
 mod atomic;
 mod borrow;
+mod constructors;
+#[cfg(feature = "cuda")]
+mod device;
+mod elements;
+mod geometry;
 mod view;
 
 pub use atomic::{AtomicElement, AtomicView};
+pub(crate) use geometry::{checked_numel, contiguous_strides};
 
 use serde::{Deserialize, Serialize};
 
-use crate::util::checked_mul;
-use crate::{get_sharing_strategy, DType, Element, Error, Result, SharingStrategy, Storage};
-
-/// Where a tensor's data lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Device {
-    /// Host memory (private or shared).
-    Cpu,
-    /// No data at all: shape and dtype only (torch's meta device).
-    Meta,
-    /// A CUDA device, by ordinal.
-    Cuda(u32),
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Meta => f.write_str("meta"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
+use crate::{get_sharing_strategy, DType, Device, Element, Error, Result, SharingStrategy, Storage};
 
 /// Whether a tensor is a plain tensor or a model parameter (torch's `nn.Parameter`); the
 /// kind travels with the tensor.
@@ -85,171 +75,7 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
-/// Strides of a contiguous (row-major) tensor of `shape`, in elements.
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
-    let mut acc = 1usize;
-    for (s, &d) in strides.iter_mut().zip(shape).rev() {
-        *s = acc;
-        acc = acc.saturating_mul(d.max(1));
-    }
-    strides
-}
-
-/// Number of elements of `shape`, or an error if it overflows.
-pub(crate) fn checked_numel(shape: &[usize]) -> Result<usize> {
-    shape.iter().try_fold(1usize, |acc, &d| checked_mul(acc, d, "the number of elements"))
-}
-
-/// Byte size of a tensor of `shape`, or an error if it overflows or exceeds `isize::MAX`
-/// (the most any allocation, or a Rust slice, can hold).
-pub(crate) fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
-    let len = checked_mul(checked_numel(shape)?, dtype.size(), "the byte size")?;
-    if len > isize::MAX as usize {
-        return Err(Error::shape(format!(
-            "a {dtype} tensor of shape {shape:?} would need {len} bytes, more than any allocation can hold"
-        )));
-    }
-    Ok(len)
-}
-
 impl Tensor {
-    pub(crate) fn from_parts(storage: Storage, dtype: DType, shape: Vec<usize>) -> Tensor {
-        let storage_device = storage.device();
-        let strides = contiguous_strides(&shape);
-        Tensor {
-            storage,
-            dtype,
-            shape,
-            strides,
-            offset: 0,
-            requires_grad: false,
-            kind: TensorKind::Tensor,
-            device: storage_device,
-        }
-    }
-
-    /// A contiguous private tensor of `shape`, taking the values of `data`.
-    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
-        Tensor::from_slice(&data, shape)
-    }
-
-    /// A contiguous private tensor of `shape`, with a copy of `data`.
-    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Tensor> {
-        let n = checked_numel(shape)?;
-        if n != data.len() {
-            return Err(Error::shape(format!(
-                "shape {shape:?} has {n} elements, but {} values were given",
-                data.len()
-            )));
-        }
-        let bytes: &[u8] = bytemuck::cast_slice(data);
-        let storage = Storage::try_new(bytes.len())?;
-        // SAFETY: the storage is fresh, private and exactly bytes.len() long; no other
-        // handle to it exists yet.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_mut_ptr(), bytes.len()) };
-        Ok(Tensor::from_parts(storage, T::DTYPE, shape.to_vec()))
-    }
-
-    /// A private tensor of zeros.
-    ///
-    /// # Panics
-    /// If the byte size of `shape` overflows, or the memory cannot be allocated (as `vec!`
-    /// does); [`Tensor::try_zeros`] returns an error instead.
-    pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
-        Tensor::try_zeros(shape, dtype).unwrap_or_else(|e| panic!("Tensor::zeros({shape:?}): {e}"))
-    }
-
-    /// A private tensor of zeros, or an error if its byte size overflows or its memory
-    /// cannot be allocated.
-    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let storage = Storage::try_new(byte_len(shape, dtype)?)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
-    }
-
-    /// A private tensor of ones.
-    ///
-    /// # Panics
-    /// As [`Tensor::zeros`].
-    pub fn ones(shape: &[usize], dtype: DType) -> Tensor {
-        let mut t = Tensor::zeros(shape, dtype);
-        t.fill_one();
-        t
-    }
-
-    /// A private tensor of `shape` filled with `value`.
-    ///
-    /// # Panics
-    /// As [`Tensor::zeros`].
-    pub fn full<T: Element>(shape: &[usize], value: T) -> Tensor {
-        let mut t = Tensor::zeros(shape, T::DTYPE);
-        t.fill(value).expect("a fresh contiguous tensor of the value's dtype");
-        t
-    }
-
-    /// A contiguous tensor in shared memory (current strategy). Its contents are
-    /// unspecified (zeros, or bytes of an earlier tensor whose block is reused): write
-    /// before reading. The way to make tensors that will be sent.
-    pub fn empty_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Tensor::empty_shared_with(shape, dtype, get_sharing_strategy())
-    }
-
-    /// [`Tensor::empty_shared`] with an explicit strategy.
-    pub fn empty_shared_with(shape: &[usize], dtype: DType, strategy: SharingStrategy) -> Result<Tensor> {
-        let storage = Storage::empty_shared_with(byte_len(shape, dtype)?, strategy)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
-    }
-
-    /// A tensor in shared memory filled with zeros.
-    pub fn zeros_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let storage = Storage::new_shared(byte_len(shape, dtype)?)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
-    }
-
-    /// A tensor on the meta device: a shape and a dtype, no data.
-    ///
-    /// # Panics
-    /// If the number of elements or the byte size of `shape` overflows (as a tensor with
-    /// data would); [`Tensor::try_meta`] returns an error instead.
-    pub fn meta(shape: &[usize], dtype: DType) -> Tensor {
-        Tensor::try_meta(shape, dtype).unwrap_or_else(|e| panic!("Tensor::meta({shape:?}): {e}"))
-    }
-
-    /// A tensor on the meta device, or an error if its number of elements or byte size
-    /// overflows: a meta tensor stands for one that could exist, so [`Tensor::numel`] and
-    /// the byte size are exact for it too.
-    pub fn try_meta(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        byte_len(shape, dtype)?;
-        let mut t = Tensor::from_parts(Storage::try_new(0)?, dtype, shape.to_vec());
-        t.device = Device::Meta;
-        Ok(t)
-    }
-
-    /// A tensor viewing `storage` with explicit geometry; checked against the storage.
-    pub fn from_storage(
-        storage: Storage,
-        dtype: DType,
-        shape: &[usize],
-        strides: &[usize],
-        offset: usize,
-    ) -> Result<Tensor> {
-        check_bounds(storage.len(), dtype, shape, strides, offset)?;
-        // Every host storage made here is 64-byte aligned; one received from a peer whose
-        // arena header claims an odd slot size would not be, and element accesses (the
-        // atomic view, zero-copy borrows) rely on elements aligned to their size.
-        if storage.device() == Device::Cpu && storage.as_ptr() as usize % crate::storage::ALIGN != 0 {
-            return Err(Error::invalid(format!(
-                "a storage at {:#x} is not {}-byte aligned",
-                storage.as_ptr() as usize,
-                crate::storage::ALIGN
-            )));
-        }
-        let mut t = Tensor::from_parts(storage, dtype, shape.to_vec());
-        t.strides = strides.to_vec();
-        t.offset = offset;
-        Ok(t)
-    }
-
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -350,10 +176,10 @@ impl Tensor {
     /// in torch.
     pub fn set_requires_grad(&mut self, requires_grad: bool) -> Result<&mut Self> {
         if requires_grad && !self.dtype.is_float() {
-            return Err(Error::shape(format!(
-                "only floating-point tensors can require gradients, this one is {}",
-                self.dtype
-            )));
+            return Err(Error::invalid_argument(
+                "requires_grad",
+                format!("only floating-point tensors can require gradients, this one is {}", self.dtype),
+            ));
         }
         self.requires_grad = requires_grad;
         Ok(self)
@@ -401,65 +227,9 @@ impl Tensor {
     }
 }
 
-/// Checks that a view with this geometry stays inside a storage of `storage_len` bytes.
-/// Every tensor, made here or received, passes this, so element addresses computed from
-/// shape, strides and offset are always in bounds; so is the address of the first element
-/// of a view without elements (it is formed, never read), which may be one past the end.
-pub(crate) fn check_bounds(
-    storage_len: usize,
-    dtype: DType,
-    shape: &[usize],
-    strides: &[usize],
-    offset: usize,
-) -> Result<()> {
-    if shape.len() != strides.len() {
-        return Err(Error::shape(format!("shape {shape:?} and strides {strides:?} have different lengths")));
-    }
-    byte_len(shape, dtype)?;
-    let out_of_bounds = |needs: &dyn std::fmt::Display| {
-        Error::shape(format!(
-            "a {dtype} view of shape {shape:?}, strides {strides:?} and offset {offset} needs {needs} bytes, \
-             its storage has {storage_len}"
-        ))
-    };
-    if checked_numel(shape)? == 0 {
-        return match offset.checked_mul(dtype.size()) {
-            Some(start) if start <= storage_len => Ok(()),
-            Some(start) => Err(out_of_bounds(&start)),
-            None => Err(Error::shape("the tensor's offset overflows")),
-        };
-    }
-    let mut last = offset;
-    for (&d, &s) in shape.iter().zip(strides) {
-        let span = checked_mul(d - 1, s, "the tensor's extent")?;
-        last = last.checked_add(span).ok_or_else(|| Error::shape("the tensor's extent overflows"))?;
-    }
-    let end = last
-        .checked_add(1)
-        .and_then(|e| e.checked_mul(dtype.size()))
-        .ok_or_else(|| Error::shape("the tensor's extent overflows"))?;
-    if end > storage_len {
-        return Err(out_of_bounds(&end));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn constructors_set_shape_and_strides() {
-        let t = Tensor::zeros(&[2, 3, 4], DType::F32);
-        assert_eq!(t.strides(), &[12, 4, 1]);
-        assert_eq!(t.numel(), 24);
-        assert!(t.is_contiguous());
-        assert!(!t.is_shared());
-        let f = Tensor::full(&[3], 2.5f64);
-        assert_eq!(f.to_vec::<f64>().unwrap(), vec![2.5; 3]);
-        let e = Tensor::from_vec(vec![1i64, 2, 3], &[4]).unwrap_err();
-        assert!(e.to_string().contains("4 elements"), "{e}");
-    }
 
     #[test]
     fn share_memory_in_place_keeps_values_and_views() {
@@ -481,57 +251,5 @@ mod tests {
         let p = Tensor::zeros(&[2], DType::F32).into_parameter();
         assert_eq!(p.kind(), TensorKind::Parameter);
         assert!(p.requires_grad());
-    }
-
-    #[test]
-    fn sizes_that_overflow_are_errors() {
-        assert!(Tensor::empty_shared(&[usize::MAX], DType::U8).is_err());
-        assert!(Tensor::empty_shared(&[1 << 62], DType::F32).is_err());
-        assert!(Tensor::try_zeros(&[usize::MAX, 2], DType::U8).is_err());
-        assert!(Tensor::try_zeros(&[1 << 62], DType::I64).is_err());
-        assert!(matches!(Tensor::try_zeros(&[1 << 60], DType::U8), Err(Error::AllocationFailed { .. })));
-        assert!(Storage::empty_shared_with(usize::MAX, SharingStrategy::FileDescriptor).is_err());
-        assert!(Storage::try_new(usize::MAX).is_err());
-    }
-
-    #[test]
-    fn meta_tensors_have_an_exact_numel() {
-        assert!(Tensor::try_meta(&[usize::MAX, 2], DType::U8).is_err());
-        assert!(Tensor::try_meta(&[1 << 62], DType::F32).is_err(), "the byte size overflows");
-        let t = Tensor::try_meta(&[1 << 40, 1 << 20], DType::U8).unwrap();
-        assert_eq!(t.numel(), 1 << 60);
-        assert!(std::panic::catch_unwind(|| Tensor::meta(&[usize::MAX, 2], DType::U8)).is_err());
-    }
-
-    #[test]
-    fn views_without_elements_start_inside_their_storage() {
-        let s = Storage::new(16);
-        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 4).is_ok(), "one past the end");
-        let e = Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 5).unwrap_err();
-        assert!(e.to_string().contains("needs 20 bytes"), "{e}");
-        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0], &[1], 1 << 62).is_err());
-        assert!(Tensor::from_storage(s.clone(), DType::F32, &[0, 3], &[1, 1], usize::MAX).is_err());
-        assert!(Tensor::from_storage(s, DType::U8, &[1 << 63], &[0], 0).is_err(), "more bytes than isize");
-        // Views cut from an empty tensor keep its offset, however large their strides.
-        let t = Tensor::zeros(&[1 << 40, 0, 1 << 40], DType::U8);
-        let v = t.select(0, (1 << 40) - 1).unwrap().narrow(1, (1 << 40) - 2, 1).unwrap();
-        assert_eq!((v.shape(), v.storage_offset()), (&[0, 1][..], 0));
-        assert!(v.to_vec::<u8>().unwrap().is_empty());
-    }
-
-    #[test]
-    fn meta_tensors_have_no_data() {
-        let t = Tensor::meta(&[3, 4], DType::F16);
-        assert_eq!(t.device(), Device::Meta);
-        assert!(matches!(t.to_vec::<half::f16>(), Err(Error::Device(_))));
-    }
-
-    #[test]
-    fn from_storage_checks_bounds() {
-        let s = Storage::new(16);
-        assert!(Tensor::from_storage(s.clone(), DType::F32, &[2, 2], &[2, 1], 0).is_ok());
-        let e = Tensor::from_storage(s.clone(), DType::F32, &[2, 2], &[2, 1], 1).unwrap_err();
-        assert!(e.to_string().contains("needs 20 bytes"), "{e}");
-        assert!(Tensor::from_storage(s, DType::F32, &[2, usize::MAX], &[2, 2], 0).is_err());
     }
 }

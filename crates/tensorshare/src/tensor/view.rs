@@ -16,13 +16,17 @@ impl Tensor {
         }
     }
 
-    fn check_dim(&self, dim: usize, op: &str) -> Result<()> {
+    fn check_dim(&self, dim: usize, op: &'static str) -> Result<()> {
         if dim >= self.ndim() {
-            return Err(Error::shape(format!(
-                "{op}: dimension {dim} is out of range for a tensor of {} dimensions (shape {:?})",
-                self.ndim(),
-                self.shape
-            )));
+            return Err(Error::shape(
+                op,
+                &self.shape,
+                format!(
+                    "dimension {dim} is out of range for a tensor of {} dimensions (shape {:?})",
+                    self.ndim(),
+                    self.shape
+                ),
+            ));
         }
         Ok(())
     }
@@ -32,9 +36,11 @@ impl Tensor {
         self.check_dim(dim, "narrow")?;
         let size = self.shape[dim];
         if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::shape(format!(
-                "narrow: {start}..{start}+{len} is out of range for dimension {dim} of size {size}"
-            )));
+            return Err(Error::shape(
+                "narrow",
+                &self.shape,
+                format!("{start}..{start}+{len} is out of range for dimension {dim} of size {size}"),
+            ));
         }
         let mut t = self.clone();
         t.shape[dim] = len;
@@ -46,10 +52,11 @@ impl Tensor {
     pub fn select(&self, dim: usize, index: usize) -> Result<Tensor> {
         self.check_dim(dim, "select")?;
         if index >= self.shape[dim] {
-            return Err(Error::shape(format!(
-                "select: index {index} is out of range for dimension {dim} of size {}",
-                self.shape[dim]
-            )));
+            return Err(Error::shape(
+                "select",
+                &self.shape,
+                format!("index {index} is out of range for dimension {dim} of size {}", self.shape[dim]),
+            ));
         }
         let mut t = self.clone();
         t.shape.remove(dim);
@@ -71,7 +78,11 @@ impl Tensor {
     /// The transpose of a 2-D tensor, as a view.
     pub fn t(&self) -> Result<Tensor> {
         if self.ndim() != 2 {
-            return Err(Error::shape(format!("t() needs a 2-D tensor, this one has shape {:?}", self.shape)));
+            return Err(Error::shape(
+                "t",
+                &self.shape,
+                format!("needs a 2-D tensor, this one has shape {:?}", self.shape),
+            ));
         }
         self.transpose(0, 1)
     }
@@ -81,10 +92,11 @@ impl Tensor {
         let n = self.ndim();
         let mut seen = vec![false; n];
         if dims.len() != n || dims.iter().any(|&d| d >= n || std::mem::replace(&mut seen[d], true)) {
-            return Err(Error::shape(format!(
-                "permute: {dims:?} is not a permutation of the {n} dimensions of shape {:?}",
-                self.shape
-            )));
+            return Err(Error::shape(
+                "permute",
+                &self.shape,
+                format!("{dims:?} is not a permutation of the {n} dimensions of shape {:?}", self.shape),
+            ));
         }
         let mut t = self.clone();
         t.shape = dims.iter().map(|&d| self.shape[d]).collect();
@@ -95,10 +107,11 @@ impl Tensor {
     /// Adds a dimension of size one at `dim`, as a view.
     pub fn unsqueeze(&self, dim: usize) -> Result<Tensor> {
         if dim > self.ndim() {
-            return Err(Error::shape(format!(
-                "unsqueeze: dimension {dim} is out of range for a tensor of {} dimensions",
-                self.ndim()
-            )));
+            return Err(Error::shape(
+                "unsqueeze",
+                &self.shape,
+                format!("dimension {dim} is out of range for a tensor of {} dimensions", self.ndim()),
+            ));
         }
         let mut t = self.clone();
         // The stride of a dimension of size one never moves an address, so saturating is
@@ -114,11 +127,15 @@ impl Tensor {
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         let n = checked_numel(shape)?;
         if n != self.numel() {
-            return Err(Error::shape(format!(
-                "reshape: shape {shape:?} has {n} elements, the tensor (shape {:?}) has {}",
-                self.shape,
-                self.numel()
-            )));
+            return Err(Error::shape(
+                "reshape",
+                &self.shape,
+                format!(
+                    "shape {shape:?} has {n} elements, the tensor (shape {:?}) has {}",
+                    self.shape,
+                    self.numel()
+                ),
+            ));
         }
         if let Some(strides) = view_strides(&self.shape, &self.strides, shape) {
             let mut t = self.clone();

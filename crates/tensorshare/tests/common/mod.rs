@@ -24,7 +24,7 @@ pub fn allow_fork_in_helper() {
     // harness's main thread only waits for that test to end, blocked in a channel receive
     // that holds no lock; nothing else runs, so no lock is held by another thread when this
     // thread forks.
-    unsafe { tensorshare::process::allow_fork_with_threads() }
+    unsafe { tensorshare::allow_fork_with_threads() }
 }
 
 /// How many times each sharing test body runs: `TENSORSHARE_TEST_REPEATS` (torch runs
@@ -48,7 +48,7 @@ pub struct LeakChecker {
 
 impl LeakChecker {
     pub fn new() -> LeakChecker {
-        let root = tensorshare::shm::group::new_group().expect("found a cleanup group");
+        let root = tensorshare::raw::new_group().expect("found a cleanup group");
         tensorshare::trim_arenas();
         LeakChecker { root, fds: open_fds() }
     }
@@ -57,7 +57,7 @@ impl LeakChecker {
         // Arenas kept for reuse and mappings kept for speed are let go first: what stays
         // after that is a leak.
         tensorshare::trim_arenas();
-        let left: Vec<_> = tensorshare::shm::list()
+        let left: Vec<_> = tensorshare::segments::list()
             .expect("list segments")
             .into_iter()
             .filter(|s| s.root == self.root && s.creator.is_some())

@@ -1,4 +1,6 @@
 //! [`ProcessError`]: how a worker failed, as torch reports it.
+//!
+//! Plain data: the process layer fills it in, and [`Error`](crate::Error) carries it.
 
 use serde::{Deserialize, Serialize};
 
@@ -138,7 +140,7 @@ impl std::fmt::Display for ProcessError {
 impl std::error::Error for ProcessError {}
 
 /// The name of a signal number (`SIGABRT`), or `SIG<n>`.
-pub fn signal_name(signal: i32) -> String {
+pub(crate) fn signal_name(signal: i32) -> String {
     let name = match signal {
         1 => "SIGHUP",
         2 => "SIGINT",

@@ -1,8 +1,6 @@
-//! What a worker runs: a closure that captures nothing (the same binary has the same code),
-//! or one made with [`closure!`](crate::closure) whose captured state travels with it, and
-//! how a parent names it to the worker.
+//! Naming a job: how a parent tells a worker which code to run, and how the worker checks
+//! the name before it calls anything.
 //!
-//! # Naming a job
 //! Each job type `J` with arguments `A` has an entry function, `entry::<J, A>`, which the
 //! compiler instantiates wherever `spawn` is called with them, and a *descriptor*: a
 //! constant that holds a 128-bit magic number, the kind of entry (a worker's job, a pool
@@ -32,159 +30,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::image::{self, Missing, ObjectName};
+use super::{Job, JobResult};
 use crate::channel::socket::Record;
+use crate::process::image::{self, Missing, ObjectName};
 use crate::{wire, Error, Result};
-
-/// A job's outcome as the worker sees it: Ok, or the error's text.
-pub type JobResult = std::result::Result<(), String>;
-
-/// What a worker closure may return: `()` or `Result<(), E: Display>`.
-pub trait JobReturn {
-    /// The outcome, with an error's `Display` text.
-    fn into_job_result(self) -> JobResult;
-}
-
-impl JobReturn for () {
-    fn into_job_result(self) -> JobResult {
-        Ok(())
-    }
-}
-
-impl<E: std::fmt::Display> JobReturn for std::result::Result<(), E> {
-    fn into_job_result(self) -> JobResult {
-        self.map_err(|e| e.to_string())
-    }
-}
-
-/// Something a worker can run with `(rank, args)`. Implemented for closures that capture
-/// nothing and for [`Captured`] (made by [`closure!`](crate::closure)).
-pub trait Job<A>: Send + Sync + 'static {
-    /// The state that travels with the job (`()` for a closure that captures nothing).
-    type State: Serialize + DeserializeOwned;
-
-    /// The state to send.
-    fn state(&self) -> &Self::State;
-
-    /// Runs the job in the worker, from its state.
-    fn run(state: Self::State, rank: usize, args: A) -> JobResult;
-}
-
-const CAPTURES: &str = "tensorshare: a worker closure runs in another process and must capture nothing; \
-pass data through the `args` argument, or write tensorshare::closure!([a, b] |rank, args| ...) to send \
-serializable captured variables along";
-
-struct AssertZst<F>(std::marker::PhantomData<F>);
-impl<F> AssertZst<F> {
-    const OK: () = assert!(std::mem::size_of::<F>() == 0, "{}", CAPTURES);
-}
-
-impl<F, A, R> Job<A> for F
-where
-    F: Fn(usize, A) -> R + Send + Sync + 'static,
-    R: JobReturn,
-{
-    type State = ();
-
-    fn state(&self) -> &() {
-        let () = AssertZst::<F>::OK;
-        &()
-    }
-
-    fn run(_: (), rank: usize, args: A) -> JobResult {
-        let () = AssertZst::<F>::OK;
-        // SAFETY: F is zero-sized (checked at compile time above) and captures nothing, so
-        // it has no bytes and no invariants to uphold: any "value" of it is the closure.
-        let f: F = unsafe { std::mem::zeroed() };
-        f(rank, args).into_job_result()
-    }
-}
-
-/// A job with captured state that travels to the worker: made by
-/// [`closure!`](crate::closure).
-pub struct Captured<S, G> {
-    state: S,
-    _g: std::marker::PhantomData<G>,
-}
-
-impl<S, G> Captured<S, G> {
-    /// Pairs `state` with a function of `(state, rank, args)` that captures nothing.
-    pub fn new<A, R>(state: S, _f: G) -> Captured<S, G>
-    where
-        G: Fn(S, usize, A) -> R,
-    {
-        Captured { state, _g: std::marker::PhantomData }
-    }
-}
-
-impl<S, G, A, R> Job<A> for Captured<S, G>
-where
-    S: Serialize + DeserializeOwned + Send + Sync + 'static,
-    G: Fn(S, usize, A) -> R + Send + Sync + 'static,
-    R: JobReturn,
-{
-    type State = S;
-
-    fn state(&self) -> &S {
-        let () = AssertZst::<G>::OK;
-        &self.state
-    }
-
-    fn run(state: S, rank: usize, args: A) -> JobResult {
-        let () = AssertZst::<G>::OK;
-        // SAFETY: as for plain closures: G is zero-sized and captures nothing.
-        let g: G = unsafe { std::mem::zeroed() };
-        g(state, rank, args).into_job_result()
-    }
-}
-
-/// A worker closure that takes variables along: `closure!([a, b] |rank, args| body)`. The
-/// listed variables are moved into the job and must be serializable (tensors and queues
-/// included); the body may use them and nothing else from outside.
-///
-/// A capture may be initialised with an expression, evaluated where the closure is made
-/// (`[w = w.clone()]` keeps `w` usable there), and the closure may name its return type,
-/// which then needs a block body:
-///
-/// ```
-/// let scale = 2.0f32;
-/// let w = vec![1.0f32, 2.0];
-/// let job = tensorshare::closure!([scale, w = w.clone()] |rank, x: f32| -> Result<(), String> {
-///     if w.len() < rank { return Err("no weight for this rank".into()) }
-///     let _ = x * scale;
-///     Ok(())
-/// });
-/// # let _ = (job, w);
-/// ```
-#[macro_export]
-macro_rules! closure {
-    ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| -> $ret:ty $body:block) => {
-        $crate::process::Captured::new(
-            ($($crate::closure!(@capture $cap $(= $init)?),)*),
-            |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| -> $ret {
-                #[allow(unused_variables)]
-                let ($($cap,)*) = __tensorshare_state;
-                $body
-            },
-        )
-    };
-    ([$($cap:ident $(= $init:expr)?),* $(,)?] |$rank:ident $(: $rt:ty)?, $args:tt $(: $at:ty)?| $body:expr) => {
-        $crate::process::Captured::new(
-            ($($crate::closure!(@capture $cap $(= $init)?),)*),
-            |__tensorshare_state, $rank $(: $rt)?, $args $(: $at)?| {
-                #[allow(unused_variables)]
-                let ($($cap,)*) = __tensorshare_state;
-                $body
-            },
-        )
-    };
-    (@capture $cap:ident) => {
-        $cap
-    };
-    (@capture $cap:ident = $init:expr) => {
-        $init
-    };
-}
 
 /// The worker side of a job: decodes `(rank, state, args)` from the job record and runs.
 pub(crate) type Entry = fn(Record) -> JobResult;
@@ -282,7 +131,7 @@ static TRUST_PATHS: AtomicBool = AtomicBool::new(false);
 /// library's path alone.
 ///
 /// A worker checks that the object holding a job's code is the same build as its parent's
-/// before it runs anything in it (see [the `process` docs](crate::process)): the executable
+/// before it runs anything in it (see [the crate docs](crate#who-is-a-worker-and-what-it-runs)): the executable
 /// by its file and build-id, a shared library by its build-id. A library linked without one
 /// (`-Wl,--build-id=none`, some custom toolchains) leaves nothing to check, so naming a job
 /// in it is an error unless the program calls this first. Linux toolchains write build-ids
@@ -333,7 +182,7 @@ impl JobName {
             return Err(Error::Unsupported(format!(
                 "the code of {} is in {}, which has no GNU build-id, so a worker cannot check that it \
                  loaded the same build; link it with -Wl,--build-id, or see \
-                 tensorshare::process::trust_libraries_without_build_id",
+                 tensorshare::trust_libraries_without_build_id",
                 F::WHAT,
                 at.object
             )));

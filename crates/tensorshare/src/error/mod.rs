@@ -1,6 +1,19 @@
-//! The crate's one error type.
+//! The crate's one error type, and what it carries of a worker's failure.
+//!
+//! The lowest layer but `util`: every module returns [`Error`], so it imports nothing of
+//! theirs. A worker's failure ([`ProcessError`]) is plain data defined here, next to the
+//! enum that has it as a case, and the process layer fills it in.
+
+pub(crate) mod process;
 
 use std::io;
+use std::sync::Arc;
+
+// layering: an error names the dtypes it is about (DTypeMismatch, InvalidValue); DType is
+// plain data whose one import is this type, for the error of a name that is no dtype.
+use crate::DType;
+
+pub use process::{Failure, ProcessError};
 
 /// What went wrong. Variants are stable enough to match on; new ones may be added.
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +33,9 @@ pub enum Error {
         /// Where the memory was asked for (`memfd` or a directory such as `/dev/shm`).
         place: String,
     },
-    /// A message received from another process is malformed or points outside its memory.
+    /// Bytes or descriptors received from another process are malformed or point outside
+    /// their memory (a peer's message, a worker's report, a received descriptor). Only
+    /// what comes from a peer is reported as this.
     #[error("invalid message: {0}")]
     InvalidMessage(String),
     /// An operation waited longer than its timeout.
@@ -29,16 +44,41 @@ pub enum Error {
     /// Every peer that could send (or receive) is gone.
     #[error("disconnected: every peer of this channel is gone")]
     Disconnected,
-    /// A tensor operation got arguments that do not fit the tensor.
-    #[error("{0}")]
-    Shape(String),
+    /// A tensor operation got a shape, dimension, index or geometry that does not fit.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The operation (`narrow`, `reshape`, `SparseTensor::coo`, ...).
+        op: &'static str,
+        /// The shape of the tensor the operation was given, or asked to make.
+        shape: Vec<usize>,
+        /// What does not fit.
+        reason: String,
+    },
+    /// An argument that is wrong whatever the tensors: a pool of no workers, a queue
+    /// capacity out of range, a size beyond what any allocation can hold.
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// The argument (`worker count`, `queue capacity`, `storage size`, ...).
+        what: &'static str,
+        /// Why it is wrong.
+        reason: String,
+    },
+    /// A tensor's bytes are not valid values of its dtype: a `bool` byte other than 0 or
+    /// 1, written through another handle (of another dtype) or by another process.
+    #[error("the tensor's bytes are not valid {dtype} values: {reason}")]
+    InvalidValue {
+        /// The dtype the bytes were read as.
+        dtype: DType,
+        /// What is wrong with them.
+        reason: String,
+    },
     /// The element type asked for is not the tensor's.
     #[error("dtype mismatch: the tensor holds {actual}, but {requested} was requested")]
     DTypeMismatch {
         /// The tensor's dtype.
-        actual: crate::DType,
+        actual: DType,
         /// The dtype the caller asked for.
-        requested: crate::DType,
+        requested: DType,
     },
     /// The operation needs a contiguous tensor; call `.contiguous()` first.
     #[error("the tensor is not contiguous (shape {shape:?}, strides {strides:?}); call .contiguous() first")]
@@ -76,9 +116,18 @@ pub enum Error {
     Serialize(String),
     /// A worker process failed.
     #[error(transparent)]
-    // Upward, for a reason: the crate has one error type, and a worker's failure is one of
-    // its cases.
-    Process(#[from] crate::process::ProcessError),
+    Process(#[from] ProcessError),
+    /// One task of a [`Pool`](crate::Pool) call failed without running: its item or its
+    /// function could not be sent to a worker, or its result could not be read back.
+    /// The tasks of one chunk share the cause.
+    #[error("task {index}: {source}")]
+    Task {
+        /// The item's index among the items of its call (0 for `apply_async`).
+        index: usize,
+        /// Why.
+        #[source]
+        source: Arc<Error>,
+    },
     /// A system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -102,8 +151,12 @@ impl Error {
         Error::InvalidMessage(msg.into())
     }
 
-    pub(crate) fn shape(msg: impl Into<String>) -> Self {
-        Error::Shape(msg.into())
+    pub(crate) fn shape(op: &'static str, shape: &[usize], reason: impl Into<String>) -> Self {
+        Error::Shape { op, shape: shape.to_vec(), reason: reason.into() }
+    }
+
+    pub(crate) fn invalid_argument(what: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument { what, reason: reason.into() }
     }
 }
 

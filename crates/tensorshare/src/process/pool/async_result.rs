@@ -1,13 +1,12 @@
-//! What [`Pool::apply_async`](crate::Pool::apply_async) and
-//! [`Pool::starmap`](crate::Pool::starmap) take and give: [`AsyncResult`] and [`StarFn`].
+//! [`AsyncResult`]: what [`Pool::apply_async`](crate::Pool::apply_async) gives, a result
+//! to come that does not borrow the pool.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
-use serde::Serialize;
 
-use super::pool::{lock, Inner};
+use super::dispatch::{lock, Inner};
 use crate::{Error, Result};
 
 /// The result of one [`Pool::apply_async`](crate::Pool::apply_async) task, to come
@@ -35,7 +34,7 @@ impl<U> std::fmt::Debug for AsyncResult<U> {
 }
 
 impl<U: DeserializeOwned> AsyncResult<U> {
-    pub(crate) fn new(inner: Arc<Mutex<Inner>>, batch: u64) -> AsyncResult<U> {
+    pub(super) fn new(inner: Arc<Mutex<Inner>>, batch: u64) -> AsyncResult<U> {
         AsyncResult { inner, batch, result: None }
     }
 
@@ -101,7 +100,7 @@ impl<U: DeserializeOwned> AsyncResult<U> {
     fn take(&mut self) -> Result<U> {
         match self.result.as_mut().and_then(Option::take) {
             Some(r) => r,
-            None => Err(Error::invalid("the result of this apply_async was already taken")),
+            None => Err(Error::invalid_argument("AsyncResult", "its result was already taken")),
         }
     }
 }
@@ -111,36 +110,3 @@ impl<U> Drop for AsyncResult<U> {
         lock(&self.inner).forget(self.batch);
     }
 }
-
-/// A function of several arguments that [`Pool::starmap`](crate::Pool::starmap) applies to
-/// tuple items: `Fn(A) -> U` takes `(A,)`, `Fn(A, B) -> U` takes `(A, B)`, up to four. Like
-/// every pool task it must capture nothing.
-pub trait StarFn<Args>: Send + Sync + 'static {
-    /// What the function returns.
-    type Output: Serialize + DeserializeOwned;
-
-    /// `self(a, b, ..)` for `args` = `(a, b, ..)`.
-    fn call_with(&self, args: Args) -> Self::Output;
-}
-
-macro_rules! star_fn {
-    ($($a:ident),+) => {
-        impl<F, U, $($a),+> StarFn<($($a,)+)> for F
-        where
-            F: Fn($($a),+) -> U + Send + Sync + 'static,
-            U: Serialize + DeserializeOwned,
-        {
-            type Output = U;
-
-            #[allow(non_snake_case)]
-            fn call_with(&self, ($($a,)+): ($($a,)+)) -> U {
-                self($($a),+)
-            }
-        }
-    };
-}
-
-star_fn!(A);
-star_fn!(A, B);
-star_fn!(A, B, C);
-star_fn!(A, B, C, D);

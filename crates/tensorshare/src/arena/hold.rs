@@ -1,0 +1,162 @@
+//! What a process holds: its handles of each slot, the locks that tell other processes
+//! so (taken in runs, given back in runs), and [`Slot`], one handle.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use super::locks::{lock_range, runs};
+use super::{borrow, Arena, State, PENDING_BYTES, PENDING_SLOTS};
+use crate::{Error, Result, SharingStrategy};
+
+impl Arena {
+    /// One more handle of each of `slots` in this process (a slot may appear more than
+    /// once). A holder's first handle of a slot takes the process's lock on it; locks are
+    /// taken in runs of adjacent slots, and slots waiting to be given back are kept instead.
+    ///
+    /// With `via`, the description of the message that names the slots (which holds them
+    /// all), a first handle borrows that hold instead of locking (see `borrow`). Returns
+    /// whether it did.
+    pub(crate) fn hold(&self, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<bool> {
+        let mut st = self.state();
+        if let Some(&bad) = slots.iter().find(|&&s| s >= self.nslots) {
+            return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
+        }
+        let mut borrowed = false;
+        if !self.creator && self.is_own() {
+            // Slots without a handle here yet, each once (a message may name one twice).
+            let mut first: Vec<u32> = slots.iter().copied().filter(|&s| st.local[s as usize] == 0).collect();
+            first.sort_unstable();
+            first.dedup();
+            let mut need: Vec<u32> = Vec::new();
+            for slot in first {
+                if let Some(p) = st.pending.iter().position(|&q| q == slot) {
+                    st.pending.swap_remove(p);
+                } else {
+                    need.push(slot);
+                }
+            }
+            match via {
+                Some(fd) if !need.is_empty() => {
+                    if st.borrowed.is_empty() {
+                        st.borrowed = vec![None; self.nslots as usize];
+                    }
+                    for &slot in &need {
+                        st.borrowed[slot as usize] = Some(fd.clone());
+                    }
+                    st.nborrowed += need.len();
+                    borrowed = true;
+                }
+                _ => {
+                    for (start, len) in runs(&mut need) {
+                        lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
+                            .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
+                    }
+                }
+            }
+        }
+        for &slot in slots {
+            let c = &mut st.local[slot as usize];
+            *c = c.checked_add(1).ok_or_else(|| Error::invalid("too many handles of one slot"))?;
+        }
+        Ok(borrowed)
+    }
+
+    /// One handle of `slot` less; the last one gives the process's lock back (in a run with
+    /// others: see `PENDING_SLOTS`).
+    fn release(&self, slot: u32) {
+        let mut st = self.state();
+        let i = slot as usize;
+        st.local[i] = st.local[i].saturating_sub(1);
+        if st.local[i] == 0 && self.creator && self.is_large() && self.is_own() {
+            // A large storage of ours is freed: keep its arena for reuse only within bounds.
+            st.idle_since = Some(std::time::Instant::now());
+            drop(st);
+            let strategy = if self.seg.name().is_some() {
+                SharingStrategy::FileSystem
+            } else {
+                SharingStrategy::FileDescriptor
+            };
+            super::allocator::large_freed(strategy);
+            return;
+        }
+        if st.local[i] == 0 && !self.creator && self.is_own() {
+            if let Some(fd) = st.borrowed.get_mut(i).and_then(Option::take) {
+                // Held through a message's description, not a lock of ours: letting it go is
+                // all there is to give back.
+                st.nborrowed -= 1;
+                drop(st);
+                drop(fd);
+                return;
+            }
+            if self.nslots == 1 {
+                // A relay's send description would keep the arena's only slot locked for up
+                // to SEND_BATCH messages, and its creator would make a new arena meanwhile:
+                // let it go (messages in flight keep theirs).
+                st.send = None;
+            }
+            st.pending.push(slot);
+            if self.nslots == 1
+                || st.pending.len() >= PENDING_SLOTS
+                || st.pending.len() * self.slot_size >= PENDING_BYTES
+            {
+                self.flush(&mut st);
+            }
+        }
+    }
+
+    /// Gives back the locks of the slots waiting for it, in runs. Unlocking cannot fail for
+    /// ranges we locked; if it did, the slots would stay held until this process drops the
+    /// arena or exits: never less.
+    fn flush(&self, st: &mut State) {
+        for (start, len) in runs(&mut st.pending) {
+            let _ = lock_range(self.seg.fd(), start, len, libc::F_UNLCK);
+        }
+        st.pending.clear();
+    }
+}
+
+/// One holder's claim on a slot: the storage's memory. Dropping it gives the claim back.
+pub(crate) struct Slot {
+    pub(super) arena: Arc<Arena>,
+    pub(super) slot: u32,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot").field("arena", self.arena.seg.id()).field("slot", &self.slot).finish()
+    }
+}
+
+impl Slot {
+    /// Handles of `slots` of a received arena, in order: this process now holds them, with
+    /// locks of its own, or through `via`, the message's description (see `borrow`).
+    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<Vec<Slot>> {
+        if arena.hold(slots, via)? {
+            borrow::note_borrower(arena);
+        }
+        Ok(slots.iter().map(|&slot| Slot { arena: arena.clone(), slot }).collect())
+    }
+
+    pub(crate) fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.arena.slot_ptr(self.slot)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.arena.slot_size
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.arena.release(self.slot);
+    }
+}
