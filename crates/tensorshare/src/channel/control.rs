@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::socket::Bell;
 use crate::shm::{Segment, SegmentId};
 use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
@@ -39,11 +40,11 @@ struct Counters {
     capacity: AtomicU32,
     /// On a cache line of its own: bumped after every record written to the queue, for
     /// receivers polling awake to watch (see `socket::recv_taken`).
-    bell: Bell,
+    bell: BellLine,
 }
 
 #[repr(C, align(64))]
-struct Bell(AtomicU32);
+struct BellLine(Bell);
 
 const _: () = assert!(std::mem::size_of::<Counters>() <= MAGIC_AT);
 
@@ -157,14 +158,14 @@ impl Control {
         }
     }
 
-    /// The word senders bump after each record and receivers watch while they poll.
-    pub(crate) fn bell(&self) -> &AtomicU32 {
+    /// The doorbell senders ring after each record and receivers watch while they poll.
+    pub(crate) fn bell(&self) -> &Bell {
         &self.counters().bell.0
     }
 
     /// Tells receivers polling awake that a record was written.
     pub(crate) fn ring(&self) {
-        self.bell().fetch_add(1, Ordering::Release);
+        self.bell().ring();
     }
 
     /// Takes a place if one is free now (never waits).

@@ -228,12 +228,42 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
     Ok(Received::Record(Record { bytes: bytes[..r.bytes].to_vec(), fds }))
 }
 
+/// A channel's doorbell, in memory every process holding the channel maps: senders bump
+/// `rung` after each record they write, and say on which CPU they ran. Peers may write
+/// anything here: it only decides when a receiver looks at the socket and whether it
+/// polls awake or sleeps.
+#[repr(C)]
+pub(crate) struct Bell {
+    rung: AtomicU32,
+    /// The CPU the last sender ran on (`u32::MAX`: unknown).
+    cpu: AtomicU32,
+}
+
+impl Bell {
+    /// Tells receivers polling awake that a record was written.
+    pub(crate) fn ring(&self) {
+        self.cpu.store(current_cpu(), Ordering::Relaxed);
+        self.rung.fetch_add(1, Ordering::Release);
+    }
+
+    /// Whether the last sender ran on this CPU: then polling awake would only keep it (if it
+    /// is to send next) from running.
+    fn sender_shares_this_cpu(&self) -> bool {
+        let cpu = current_cpu();
+        cpu != u32::MAX && self.cpu.load(Ordering::Relaxed) == cpu
+    }
+}
+
+fn current_cpu() -> u32 {
+    u32::try_from(rustix::thread::sched_getcpu()).unwrap_or(u32::MAX)
+}
+
 /// Spins until `bell` moves from `rung`, the spin window closes or the deadline passes.
-fn watch(bell: &AtomicU32, rung: u32, until: Instant, deadline: Deadline) {
+fn watch(bell: &Bell, rung: u32, until: Instant, deadline: Deadline) {
     loop {
         // Reading the clock costs more than a look at the word: look a few times per reading.
         for _ in 0..32 {
-            if bell.load(Ordering::Acquire) != rung {
+            if bell.rung.load(Ordering::Acquire) != rung {
                 return;
             }
             std::hint::spin_loop();
@@ -257,19 +287,21 @@ pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> b
 /// `bell`, when the channel has one, is a word that every sender bumps after each record it
 /// writes (see `control`): while the receive polls awake it watches the word rather than
 /// asking the socket again and again, which costs a syscall each time and contends with the
-/// sender for the socket's lock. The word only says when to look: a peer that writes it
-/// causes a needless look or a sleep a little earlier, nothing else.
+/// sender for the socket's lock; and when the last sender ran on this very CPU, it sleeps at
+/// once instead, so that the sender can run (two processes that share a CPU would otherwise
+/// take turns only when the spin gives up). The bell only says when to look and whether to
+/// stay awake: a peer that writes it causes a needless look or an early sleep, nothing else.
 pub(crate) fn recv_taken(
     fd: BorrowedFd<'_>,
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
-    bell: Option<&AtomicU32>,
+    bell: Option<&Bell>,
 ) -> Result<Result<Record>> {
-    let spin_until = Instant::now() + SPIN;
+    let mut spin_until = Instant::now() + SPIN;
     let mut settled = false;
     loop {
         // Read before looking: a record written after the look rings after this read.
-        let rung = bell.map(|b| b.load(Ordering::Acquire));
+        let rung = bell.map(|b| b.rung.load(Ordering::Acquire));
         match try_recv(fd)? {
             Received::Record(r) => return Ok(Ok(r)),
             Received::Bad(e) => return Ok(Err(e)),
@@ -280,6 +312,9 @@ pub(crate) fn recv_taken(
             // Nothing to receive yet: time for what the last receive left for later.
             crate::arena::idle();
             settled = true;
+            if bell.is_some_and(Bell::sender_shares_this_cpu) {
+                spin_until = Instant::now();
+            }
             continue;
         }
         let now = Instant::now();
