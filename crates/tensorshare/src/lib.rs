@@ -45,8 +45,11 @@
 //! whose captured variables are sent along. Arguments travel as a message, so tensors in
 //! them are shared, not copied, and queues and pipes work in the worker.
 //!
-//! Workers die with their parent (PR_SET_PDEATHSIG). In Linux terms the parent is the
-//! *thread* that started them: start long-lived workers from a thread that outlives them.
+//! Workers die with their parent (PR_SET_PDEATHSIG). In Linux terms the parent of a
+//! [`StartMethod::Spawn`] or [`StartMethod::Fork`] worker is the *thread* that started it:
+//! start long-lived workers from a thread that outlives them. A
+//! [`StartMethod::ForkServer`] worker is the fork server's child and dies with it; the
+//! server lives as long as the process that started it, whatever its threads do.
 //!
 //! ## Who is a worker, and what it runs
 //! A re-executed worker ([`StartMethod::Spawn`], and the fork server) is this program again,
