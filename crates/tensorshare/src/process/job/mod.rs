@@ -3,12 +3,14 @@
 //! how a parent names it to the worker (`name`).
 
 mod name;
+mod stateless;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 pub use name::trust_libraries_without_build_id;
 pub(crate) use name::{entry_name, Desc, Entry, InitEntry, JobName, TaskEntry};
+pub(crate) use stateless::Stateless;
 
 /// A job's outcome as the worker sees it: Ok, or the error's text.
 pub type JobResult = std::result::Result<(), String>;
@@ -44,15 +46,6 @@ pub trait Job<A>: Send + Sync + 'static {
     fn run(state: Self::State, rank: usize, args: A) -> JobResult;
 }
 
-const CAPTURES: &str = "tensorshare: a worker closure runs in another process and must capture nothing; \
-pass data through the `args` argument, or write tensorshare::closure!([a, b] |rank, args| ...) to send \
-serializable captured variables along";
-
-struct AssertZst<F>(std::marker::PhantomData<F>);
-impl<F> AssertZst<F> {
-    const OK: () = assert!(std::mem::size_of::<F>() == 0, "{}", CAPTURES);
-}
-
 impl<F, A, R> Job<A> for F
 where
     F: Fn(usize, A) -> R + Send + Sync + 'static,
@@ -61,16 +54,12 @@ where
     type State = ();
 
     fn state(&self) -> &() {
-        let () = AssertZst::<F>::OK;
+        let () = Stateless::<F>::OK;
         &()
     }
 
     fn run(_: (), rank: usize, args: A) -> JobResult {
-        let () = AssertZst::<F>::OK;
-        // SAFETY: F is zero-sized (checked at compile time above) and captures nothing, so
-        // it has no bytes and no invariants to uphold: any "value" of it is the closure.
-        let f: F = unsafe { std::mem::zeroed() };
-        f(rank, args).into_job_result()
+        Stateless::<F>::make()(rank, args).into_job_result()
     }
 }
 
@@ -100,15 +89,12 @@ where
     type State = S;
 
     fn state(&self) -> &S {
-        let () = AssertZst::<G>::OK;
+        let () = Stateless::<G>::OK;
         &self.state
     }
 
     fn run(state: S, rank: usize, args: A) -> JobResult {
-        let () = AssertZst::<G>::OK;
-        // SAFETY: as for plain closures: G is zero-sized and captures nothing.
-        let g: G = unsafe { std::mem::zeroed() };
-        g(state, rank, args).into_job_result()
+        Stateless::<G>::make()(state, rank, args).into_job_result()
     }
 }
 

@@ -4,8 +4,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::task::InitDesc;
-use super::{Pool, ZeroSized};
+use super::Pool;
 use crate::process::job::JobName;
+use crate::process::job::Stateless;
 use crate::process::StartMethod;
 use crate::wire::{self, Encoded};
 use crate::{Error, Result};
@@ -45,7 +46,7 @@ impl PoolBuilder {
         I: Fn(usize, A) + Send + Sync + 'static,
         A: Serialize + DeserializeOwned + Send + Sync + 'static,
     {
-        let () = ZeroSized::<I>::OK;
+        let () = Stateless::<I>::OK;
         let _ = init;
         self.init = Some(
             JobName::of(InitDesc::<I, A>::DESC)

@@ -27,7 +27,6 @@ mod imap;
 mod task;
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,7 +41,7 @@ pub use imap::Tasks;
 pub use task::StarFn;
 use task::{Call, Plain, RankInitDesc, Star, TaskDesc};
 
-use super::job::JobName;
+use super::job::{JobName, Stateless};
 use super::StartMethod;
 use crate::wire;
 use crate::{Error, Result};
@@ -98,7 +97,7 @@ impl Pool {
     where
         I: Fn(usize) + Send + Sync + 'static,
     {
-        let () = ZeroSized::<I>::OK;
+        let () = Stateless::<I>::OK;
         let _ = init;
         let name = JobName::of(RankInitDesc::<I>::DESC)?;
         Pool::build(n, method, Some(Initializer { name, args: Box::new(|| wire::encode(&())) }))
@@ -131,6 +130,15 @@ impl Pool {
     }
 
     /// `f` applied to every item, in order. The first failed task's error is returned.
+    ///
+    /// `f` runs in the workers, so it may not capture variables (pass data in the items);
+    /// one that does is a compile-time error:
+    ///
+    /// ```compile_fail,E0080
+    /// let mut pool = tensorshare::Pool::new(1).unwrap();
+    /// let offset = 3u32;
+    /// let _ = pool.map(move |x: u32| x + offset, [1u32, 2]);
+    /// ```
     pub fn map<F, T, U>(&mut self, f: F, items: impl IntoIterator<Item = T>) -> Result<Vec<U>>
     where
         F: Fn(T) -> U + Send + Sync + 'static,
@@ -166,7 +174,7 @@ impl Pool {
         U: Serialize + DeserializeOwned,
         I: IntoIterator<Item = T>,
     {
-        let () = ZeroSized::<F>::OK;
+        let () = Stateless::<F>::OK;
         let _ = f;
         self.tasks::<Plain<F>, T, U, I>(items, true)
     }
@@ -179,7 +187,7 @@ impl Pool {
         U: Serialize + DeserializeOwned,
         I: IntoIterator<Item = T>,
     {
-        let () = ZeroSized::<F>::OK;
+        let () = Stateless::<F>::OK;
         let _ = f;
         self.tasks::<Plain<F>, T, U, I>(items, false)
     }
@@ -212,7 +220,7 @@ impl Pool {
         A: Serialize + DeserializeOwned,
         I: IntoIterator<Item = A>,
     {
-        let () = ZeroSized::<F>::OK;
+        let () = Stateless::<F>::OK;
         let _ = f;
         self.tasks::<Star<F>, A, F::Output, I>(items, true)
     }
@@ -226,7 +234,7 @@ impl Pool {
         T: Serialize + DeserializeOwned,
         U: Serialize + DeserializeOwned,
     {
-        let () = ZeroSized::<F>::OK;
+        let () = Stateless::<F>::OK;
         let _ = f;
         let name = JobName::of(TaskDesc::<Plain<F>, T>::DESC)?;
         // A slice, as the chunk of one item the worker decodes as a `Vec<T>`.
@@ -248,14 +256,6 @@ impl Pool {
         let entry = JobName::of(TaskDesc::<C, T>::DESC).map_err(|e| e.to_string());
         Tasks::new(self, entry, items.into_iter(), ordered)
     }
-}
-
-struct ZeroSized<F>(PhantomData<F>);
-impl<F> ZeroSized<F> {
-    const OK: () = assert!(
-        std::mem::size_of::<F>() == 0,
-        "tensorshare: a pool task runs in another process and must capture nothing; pass data in the items"
-    );
 }
 
 impl Drop for Pool {

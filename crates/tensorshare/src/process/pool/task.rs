@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::channel::socket::{self, Deadline, Record};
 use crate::channel::Connection;
+use crate::process::job::Stateless;
 use crate::process::job::{Desc, InitEntry, JobName, JobResult, TaskEntry};
 use crate::process::worker::{catch, install_panic_hook, Report};
 use crate::wire::{self, Encoded};
@@ -21,13 +22,6 @@ use crate::Error;
 pub(super) enum ItemOutcome<U> {
     Ok(U),
     Raised { message: String, location: Option<String>, backtrace: Option<String> },
-}
-
-fn conjure<F>() -> F {
-    assert_eq!(std::mem::size_of::<F>(), 0);
-    // SAFETY: F is a zero-sized closure (or a wrapper of one) that captures nothing (checked
-    // at compile time by `ZeroSized`, and above): it has no bytes and no invariants.
-    unsafe { std::mem::zeroed() }
 }
 
 /// How a task's function is applied to one item: `f(item)` ([`Plain`]) or `f(a, b, ..)`
@@ -114,7 +108,7 @@ where
             return Ok(());
         }
     };
-    let f = conjure::<C>();
+    let f = Stateless::<C>::make();
     for item in items {
         let mut out = None;
         let outcome = match catch(|| {
@@ -146,12 +140,12 @@ where
     A: DeserializeOwned,
 {
     let args: A = record.decode().map_err(|e| format!("cannot decode the initializer's arguments: {e}"))?;
-    conjure::<I>()(rank, args);
+    Stateless::<I>::make()(rank, args);
     Ok(())
 }
 
 fn rank_init_entry<I: Fn(usize)>(rank: usize, _: Record) -> JobResult {
-    conjure::<I>()(rank);
+    Stateless::<I>::make()(rank);
     Ok(())
 }
 
