@@ -51,26 +51,37 @@ static SPARES: AtomicBool = AtomicBool::new(false);
 
 /// `arena` has used its spare description (or had none): open another at the next `idle`.
 pub(super) fn note_spare_wanted(arena: &Arc<Arena>) {
+    note(&SPARES, arena, |d| &mut d.spares);
+}
+
+/// Adds `arena` (once) to a list of work for later, and raises that list's flag.
+fn note(flag: &AtomicBool, arena: &Arc<Arena>, list: impl FnOnce(&mut Deferred) -> &mut Vec<Weak<Arena>>) {
     let mut d = lock(deferred());
-    if !d.spares.iter().any(|w| w.as_ptr() == Arc::as_ptr(arena)) {
-        d.spares.push(Arc::downgrade(arena));
+    let list = list(&mut d);
+    if !list.iter().any(|w| w.as_ptr() == Arc::as_ptr(arena)) {
+        list.push(Arc::downgrade(arena));
     }
-    SPARES.store(true, Ordering::Release);
+    flag.store(true, Ordering::Release);
+}
+
+/// Takes a list of work for later, if its flag is raised: the arenas still alive.
+fn take(flag: &AtomicBool, list: impl FnOnce(&mut Deferred) -> &mut Vec<Weak<Arena>>) -> Vec<Arc<Arena>> {
+    if !flag.load(Ordering::Acquire) {
+        return Vec::new();
+    }
+    let taken = {
+        let mut d = lock(deferred());
+        flag.store(false, Ordering::Release);
+        std::mem::take(list(&mut d))
+    };
+    taken.iter().filter_map(Weak::upgrade).collect()
 }
 
 /// What this process does when it would otherwise wait for a message: [`settle`], and
 /// open spare descriptions for arenas that will need a new send description.
 pub(crate) fn idle() {
     settle();
-    if !SPARES.load(Ordering::Acquire) {
-        return;
-    }
-    let spares = {
-        let mut d = lock(deferred());
-        SPARES.store(false, Ordering::Release);
-        std::mem::take(&mut d.spares)
-    };
-    for arena in spares.iter().filter_map(Weak::upgrade) {
+    for arena in take(&SPARES, |d| &mut d.spares) {
         if !arena.is_own() {
             continue;
         }
@@ -92,11 +103,7 @@ fn deferred() -> &'static Mutex<Deferred> {
 
 /// `arena` has borrowed holds to settle.
 pub(super) fn note_borrower(arena: &Arc<Arena>) {
-    let mut d = lock(deferred());
-    if !d.borrowers.iter().any(|w| w.as_ptr() == Arc::as_ptr(arena)) {
-        d.borrowers.push(Arc::downgrade(arena));
-    }
-    BORROWED.store(true, Ordering::Release);
+    note(&BORROWED, arena, |d| &mut d.borrowers);
 }
 
 /// Closes `fd` at the next `idle` (now, if too many wait already).
@@ -131,15 +138,7 @@ pub(crate) fn close_let_go() {
 /// (two atomic loads) when there is nothing to do.
 pub(crate) fn settle() {
     close_let_go();
-    if !BORROWED.load(Ordering::Acquire) {
-        return;
-    }
-    let borrowers = {
-        let mut d = lock(deferred());
-        BORROWED.store(false, Ordering::Release);
-        std::mem::take(&mut d.borrowers)
-    };
-    for arena in borrowers.iter().filter_map(Weak::upgrade) {
+    for arena in take(&BORROWED, |d| &mut d.borrowers) {
         if !arena.settle() {
             // A lock failed (the kernel ran short): the borrowed holds stay, and so does the
             // work.
