@@ -1,6 +1,13 @@
 //! Closures that capture nothing: a worker's job or a pool's task is named by its type
 //! alone, and the worker makes the closure out of nothing. Whether a closure captures
 //! anything is checked at compile time, by its size.
+//!
+//! The size cannot tell a closure that captures nothing from one that captures only
+//! zero-sized values. Those are made anew in the worker, with no constructor run there:
+//! harmless for data (a `()`, a `PhantomData`), but a zero-sized type that is `Send`, `Sync`
+//! and `'static` and whose existence proves something about the process that made it (an
+//! "initialised" token of some library) would be forged in the worker. Do not capture
+//! such tokens in a worker closure; pass what the worker needs in its arguments.
 
 use std::marker::PhantomData;
 
@@ -19,9 +26,11 @@ impl<F> Stateless<F> {
     /// The closure of type `F`, made out of nothing.
     pub(crate) fn make() -> F {
         let () = Self::OK;
-        // SAFETY: F is zero-sized (checked at compile time by `OK`, evaluated above): a
-        // closure that captures nothing of nonzero size has no bytes, and the only values
-        // it could carry are zero-sized ones, which `zeroed` makes as a copy would.
+        // SAFETY: F is zero-sized (checked at compile time by `OK`, evaluated above), so it
+        // has no bytes: every value of it has the one empty representation `zeroed` gives,
+        // the same as the closure the parent passed (whose code is this binary's, see
+        // `name`). What this does not see is a captured zero-sized value whose type makes it
+        // a proof of something (a token): see the module docs.
         unsafe { std::mem::zeroed() }
     }
 }
