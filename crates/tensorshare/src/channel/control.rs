@@ -198,9 +198,16 @@ impl Control {
         // A consumer usually frees a place within microseconds: wait for it awake first, as
         // a sleep and a wake-up cost more than that.
         let spin_until = std::time::Instant::now() + super::socket::SPIN;
-        while p == 0 && std::time::Instant::now() < spin_until {
-            std::hint::spin_loop();
-            p = b.permits.load(Ordering::Acquire);
+        'spin: while p == 0 && std::time::Instant::now() < spin_until {
+            // Reading the clock costs more than a look at the word: look a few times per
+            // reading.
+            for _ in 0..32 {
+                std::hint::spin_loop();
+                p = b.permits.load(Ordering::Acquire);
+                if p != 0 {
+                    break 'spin;
+                }
+            }
         }
         loop {
             if p == UNBOUNDED {
