@@ -315,7 +315,8 @@ pub(crate) fn recv_taken(
             if bell.is_some_and(Bell::sender_shares_this_cpu) {
                 spin_until = Instant::now();
             }
-            continue;
+            // A record that came meanwhile has rung the bell (read before the look), or
+            // makes the poll below return at once: no second look needed here.
         }
         let now = Instant::now();
         if now < spin_until && !deadline.passed(now) {
