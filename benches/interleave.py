@@ -33,9 +33,15 @@ def main():
     binaries = sys.argv[1:3]
     rounds = int(sys.argv[3]) if len(sys.argv) == 4 else 5
     seen = defaultdict(list)
+    # One run of each workload per round (the rounds give the spread); older builds run
+    # once anyway and have no --runs.
+    one_run = {
+        b: ["--runs", "1"] if "--runs" in subprocess.run([b, "bench", "--help"], capture_output=True, text=True).stdout else []
+        for b in binaries
+    }
     for _ in range(rounds):
         for b in binaries:
-            out = subprocess.run([b, "bench", "--all"], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run([b, "bench", "--all", *one_run[b]], capture_output=True, text=True, check=True).stdout
             for line in out.splitlines():
                 name, figs = figures(line)
                 for key, value in figs.items():

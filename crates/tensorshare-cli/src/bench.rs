@@ -8,6 +8,45 @@ use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, Te
 /// One workload's figures, as (key, value) pairs in the order torch's script prints them.
 pub struct Figures(pub Vec<(&'static str, f64)>);
 
+/// A workload's figures over several runs: per key, the median, minimum and maximum.
+pub struct Summary {
+    pub runs: usize,
+    pub figures: Vec<Spread>,
+}
+
+/// One figure over the runs.
+pub struct Spread {
+    pub key: &'static str,
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+/// Runs `w` `runs` times (at least once) and summarises each figure. The median of an even
+/// number of runs is the mean of the middle two.
+pub fn repeat(w: &Workload, strategy: SharingStrategy, runs: usize) -> Result<Summary, String> {
+    let all: Vec<Figures> = (0..runs.max(1)).map(|_| run(w, strategy)).collect::<Result<_, _>>()?;
+    Ok(summarise(&all))
+}
+
+/// Per key (in the first run's order), the median, minimum and maximum over `all`.
+pub fn summarise(all: &[Figures]) -> Summary {
+    let keys: Vec<&'static str> =
+        all.first().map(|f| f.0.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+    let figures = keys
+        .into_iter()
+        .map(|key| {
+            let mut v: Vec<f64> =
+                all.iter().filter_map(|f| f.0.iter().find(|(k, _)| *k == key).map(|(_, x)| *x)).collect();
+            v.sort_by(f64::total_cmp);
+            let n = v.len();
+            let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+            Spread { key, median, min: v[0], max: v[n - 1] }
+        })
+        .collect();
+    Summary { runs: all.len(), figures }
+}
+
 /// A workload with its arguments, as the command line and the JSON give them.
 pub struct Workload {
     pub name: String,
@@ -236,8 +275,9 @@ fn spawn_workers(n: usize) -> Result<Figures, String> {
     Ok(Figures(vec![("seconds", t0.elapsed().as_secs_f64())]))
 }
 
-/// The JSON line, keys as torch_baseline.py prints them.
-pub fn json_line(w: &Workload, strategy: SharingStrategy, f: &Figures) -> String {
+/// The JSON line, keys as torch_baseline.py prints them (each the median over the runs), and
+/// `runs` with each key's `_min` and `_max` when there was more than one.
+pub fn json_line(w: &Workload, strategy: SharingStrategy, f: &Summary) -> String {
     let args: Vec<String> =
         w.args.iter().map(|a| format!("\"{}\"", a.replace('\\', "\\\\").replace('"', "\\\""))).collect();
     let mut s = format!(
@@ -247,22 +287,70 @@ pub fn json_line(w: &Workload, strategy: SharingStrategy, f: &Figures) -> String
         args.join(", "),
         strategy
     );
-    for (k, v) in &f.0 {
-        if *k == "items" {
-            s += &format!(", \"{k}\": {}", *v as u64);
+    for x in &f.figures {
+        if x.key == "items" {
+            s += &format!(", \"{}\": {}", x.key, x.median as u64);
         } else {
-            s += &format!(", \"{k}\": {v}");
+            s += &format!(", \"{}\": {}", x.key, x.median);
+        }
+    }
+    if f.runs > 1 {
+        s += &format!(", \"runs\": {}", f.runs);
+        for x in f.figures.iter().filter(|x| x.key != "items") {
+            s += &format!(", \"{}_min\": {}, \"{}_max\": {}", x.key, x.min, x.key, x.max);
         }
     }
     s + "}"
 }
 
-/// One row of the table.
-pub fn table_row(w: &Workload, f: &Figures) -> String {
-    let figures: Vec<String> =
-        f.0.iter()
-            .filter(|(k, _)| *k != "items")
-            .map(|(k, v)| if *v >= 1000.0 { format!("{k} {v:.0}") } else { format!("{k} {v:.4}") })
-            .collect();
-    format!("{:<10} {:<22} {}", w.name, w.args.join(" "), figures.join("  "))
+/// One row of the table: each figure's median, and its range over the runs when there was
+/// more than one.
+pub fn table_row(w: &Workload, f: &Summary) -> String {
+    let num = |v: f64| if v >= 1000.0 { format!("{v:.0}") } else { format!("{v:.4}") };
+    let figures: Vec<String> = f
+        .figures
+        .iter()
+        .filter(|x| x.key != "items")
+        .map(|x| {
+            if f.runs > 1 {
+                format!("{} {} [{}..{}]", x.key, num(x.median), num(x.min), num(x.max))
+            } else {
+                format!("{} {}", x.key, num(x.median))
+            }
+        })
+        .collect();
+    let runs = if f.runs > 1 { format!("  (median of {})", f.runs) } else { String::new() };
+    format!("{:<10} {:<22} {}{runs}", w.name, w.args.join(" "), figures.join("  "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summaries_give_the_median_and_the_range_of_each_figure() {
+        let runs = [
+            Figures(vec![("median_us", 9.0), ("p99_us", 30.0)]),
+            Figures(vec![("median_us", 7.0), ("p99_us", 60.0)]),
+            Figures(vec![("median_us", 60.0), ("p99_us", 31.0)]),
+            Figures(vec![("median_us", 8.0), ("p99_us", 29.0)]),
+        ];
+        let s = summarise(&runs);
+        assert_eq!(s.runs, 4);
+        let m = &s.figures[0];
+        assert_eq!((m.key, m.median, m.min, m.max), ("median_us", 8.5, 7.0, 60.0));
+        let p = &s.figures[1];
+        assert_eq!((p.key, p.median, p.min, p.max), ("p99_us", 30.5, 29.0, 60.0));
+        let one = summarise(&runs[..1]);
+        assert_eq!((one.runs, one.figures[0].median), (1, 9.0));
+        let w = Workload { name: "pingpong".into(), args: vec!["4096".into()] };
+        assert!(table_row(&w, &s).contains("median_us 8.5000 [7.0000..60.0000]"), "{}", table_row(&w, &s));
+        let j = json_line(&w, SharingStrategy::FileDescriptor, &s);
+        assert!(
+            j.contains("\"median_us\": 8.5, ")
+                && j.contains("\"runs\": 4")
+                && j.contains("\"median_us_max\": 60"),
+            "{j}"
+        );
+    }
 }

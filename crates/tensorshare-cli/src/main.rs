@@ -56,6 +56,10 @@ enum Command {
         /// Run the full table of BENCHMARKS.md.
         #[arg(long)]
         all: bool,
+        /// Runs of each workload: each figure is reported as the median of the runs, with
+        /// their minimum and maximum (one run on these machines can be lucky or unlucky).
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+        runs: u32,
         /// WORKLOAD ARGS...
         workload: Vec<String>,
     },
@@ -86,7 +90,9 @@ fn main() {
                 workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
             demo::run(demo::Options { workers, batches, batch_size, side, strategy })
         }
-        Command::Bench { json, strategy, all, workload } => run_bench(json, strategy, all, workload),
+        Command::Bench { json, strategy, all, runs, workload } => {
+            run_bench(json, strategy, all, runs as usize, workload)
+        }
     };
     if let Err(e) = result {
         eprintln!("tensorshare: {e}");
@@ -94,7 +100,13 @@ fn main() {
     }
 }
 
-fn run_bench(json: bool, strategy: SharingStrategy, all: bool, workload: Vec<String>) -> Result<(), String> {
+fn run_bench(
+    json: bool,
+    strategy: SharingStrategy,
+    all: bool,
+    runs: usize,
+    workload: Vec<String>,
+) -> Result<(), String> {
     let workloads = if all {
         bench::all()
     } else {
@@ -103,7 +115,7 @@ fn run_bench(json: bool, strategy: SharingStrategy, all: bool, workload: Vec<Str
         vec![bench::Workload { name: name.clone(), args: args.to_vec() }]
     };
     for w in &workloads {
-        let f = bench::run(w, strategy)?;
+        let f = bench::repeat(w, strategy, runs)?;
         if json {
             println!("{}", bench::json_line(w, strategy, &f));
         } else {

@@ -53,7 +53,24 @@ fn bench_prints_the_keys_of_the_torch_baseline() {
     );
     let (ok, out, err) = tensorshare(&["bench", "batch", "1024", "10", "5"], &[]);
     assert!(ok, "{err}");
-    assert!(out.contains("tensors_per_s"), "{out}");
+    assert!(out.contains("tensors_per_s") && out.contains("(median of 10)"), "{out}");
+}
+
+/// Every figure is the median of the runs, with the runs' range beside it.
+#[test]
+fn bench_reports_the_median_and_range_over_its_runs() {
+    let (ok, out, err) = tensorshare(&["bench", "--json", "--runs", "3", "spawn", "1"], &[]);
+    assert!(ok, "{err}");
+    let num = |key: &str| -> f64 {
+        let at = out.find(&format!("\"{key}\": ")).unwrap_or_else(|| panic!("{key} missing in {out}"));
+        let rest = &out[at + key.len() + 4..];
+        rest[..rest.find([',', '}']).expect("a value")].trim().parse().expect("a number")
+    };
+    assert_eq!(num("runs"), 3.0);
+    let (min, median, max) = (num("seconds_min"), num("seconds"), num("seconds_max"));
+    assert!(min > 0.0 && min <= median && median <= max, "{out}");
+    let (ok, _, err) = tensorshare(&["bench", "--runs", "0", "spawn", "1"], &[]);
+    assert!(!ok && err.contains("--runs"), "{err}");
 }
 
 #[test]
