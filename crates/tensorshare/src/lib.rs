@@ -76,7 +76,8 @@
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
 //! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
-//! modules behind them are private:
+//! crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a program uses
+//! the versions tensorshare was built with. The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -110,6 +111,15 @@ mod tensor;
 mod thread;
 mod util;
 mod wire;
+
+/// The half crate whose `f16` and `bf16` are the element types of [`DType::F16`] and
+/// [`DType::BF16`].
+pub use half;
+/// The ndarray crate that [`Tensor::view`], [`Tensor::view_dim`] and [`Tensor::to_array`]
+/// speak (feature `ndarray`, on by default): use it through this path, and its version is
+/// always the one tensorshare was built with.
+#[cfg(feature = "ndarray")]
+pub use ndarray;
 
 pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
 pub use device::Device;
