@@ -75,7 +75,8 @@
 //!
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
-//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
+//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, and with
+//! feature `safetensors` the file functions in `safetensors`. The
 //! crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a program uses
 //! the versions tensorshare was built with. The modules behind them are private:
 //!
@@ -110,6 +111,7 @@ mod strategy;
 mod tensor;
 mod thread;
 mod util;
+mod weights;
 mod wire;
 
 /// The half crate whose `f16` and `bf16` are the element types of [`DType::F16`] and
@@ -138,6 +140,9 @@ pub use strategy::{
 };
 pub use tensor::{AtomicElement, AtomicView, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
+#[cfg(feature = "safetensors")]
+pub use weights::safetensors;
+pub use weights::Weights;
 
 /// The bare codec, for tests and hostile-peer tools (feature `test-support`, off by
 /// default; not part of the API).
