@@ -43,8 +43,10 @@ type Args = (String, Queue<Option<Weights>>, Queue<Report>, Queue<()>);
 fn main() -> tensorshare::Result<()> {
     tensorshare::init();
     let dir = std::env::temp_dir().join(format!("tensorshare-shared-weights-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| tensorshare::Error::Parse(format!("{}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(|source| tensorshare::Error::Io {
+        context: format!("creating {}", dir.display()),
+        source,
+    })?;
     let path = dir.join("model.safetensors");
     let outcome = run_both(&path);
     let _ = std::fs::remove_dir_all(&dir);
