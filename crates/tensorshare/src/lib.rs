@@ -75,8 +75,10 @@
 //!
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
-//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
-//! modules behind them are private:
+//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, and with
+//! feature `safetensors` the file functions in `safetensors`. The
+//! crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a program uses
+//! the versions tensorshare was built with. The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -109,7 +111,17 @@ mod strategy;
 mod tensor;
 mod thread;
 mod util;
+mod weights;
 mod wire;
+
+/// The half crate whose `f16` and `bf16` are the element types of [`DType::F16`] and
+/// [`DType::BF16`].
+pub use half;
+/// The ndarray crate that [`Tensor::view`], [`Tensor::view_dim`] and [`Tensor::to_array`]
+/// speak (feature `ndarray`, on by default): use it through this path, and its version is
+/// always the one tensorshare was built with.
+#[cfg(feature = "ndarray")]
+pub use ndarray;
 
 pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
 pub use device::Device;
@@ -128,6 +140,9 @@ pub use strategy::{
 };
 pub use tensor::{AtomicElement, AtomicView, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
+#[cfg(feature = "safetensors")]
+pub use weights::safetensors;
+pub use weights::Weights;
 
 /// The bare codec, for tests and hostile-peer tools (feature `test-support`, off by
 /// default; not part of the API).

@@ -5,6 +5,9 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
+#[cfg(feature = "cuda")]
+mod pinned;
+
 use crate::arena::{self, Slot};
 use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
 

@@ -36,6 +36,8 @@ const LAYERS: &[&[&str]] = &[
     &["tensor"],
     // Tensors made of tensors.
     &["sparse", "nested"],
+    // Named tensors over one storage (a model's weights), and their files.
+    &["weights"],
     // The codec: values to bytes plus descriptors, and back.
     &["wire"],
     // Queues and pipes between processes.

@@ -70,6 +70,11 @@ const CHECK_RUN: u32 = 64;
 pub(crate) struct Arena {
     /// Whether the receive cache knows this arena (set on its first send).
     pub(crate) cached: AtomicBool,
+    /// The whole mapping's page-locking for CUDA copies (see [`Arena::pin_with`]), made
+    /// once. Declared before `seg`: fields drop in order, so it is undone before the
+    /// mapping goes.
+    #[cfg(feature = "cuda")]
+    pin: std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>,
     /// The mapping, and this process's own description of the file: the creator's never
     /// leaves the process; a holder's carries its slot locks.
     seg: Segment,
@@ -129,6 +134,8 @@ impl Arena {
         let n = nslots as usize;
         Arena {
             cached: AtomicBool::new(false),
+            #[cfg(feature = "cuda")]
+            pin: std::sync::OnceLock::new(),
             seg,
             slot_size,
             nslots,
@@ -215,6 +222,33 @@ impl Arena {
 
     pub(crate) fn nslots(&self) -> u32 {
         self.nslots
+    }
+
+    /// Page-locks the whole mapping once: `register(first byte, length)` is the device
+    /// layer's registration (it sits above this layer), and what it returns is kept until
+    /// the arena goes, dropped before the mapping is unmapped. The length is a whole number
+    /// of pages, all inside the mapping.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pin_with(
+        &self,
+        register: impl FnOnce(*mut u8, usize) -> Result<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<()> {
+        // Pinning is rare: one lock for all arenas keeps two threads from registering one
+        // mapping twice.
+        static PINNING: Mutex<()> = Mutex::new(());
+        let _one_at_a_time = lock(&PINNING);
+        if self.pin.get().is_none() {
+            // mmap maps whole pages: the last partial page of the file is mapped too.
+            let len = self.seg.len().next_multiple_of(PAGE);
+            let _ = self.pin.set(register(self.seg.as_mut_ptr(), len)?);
+        }
+        Ok(())
+    }
+
+    /// Whether [`Arena::pin_with`] has page-locked this arena.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.pin.get().is_some()
     }
 
     /// Whether this is an arena of one storage larger than any size class.

@@ -244,6 +244,18 @@ impl Allocation {
         unsafe { backend()?.htod(self.device, dst, src) }
     }
 
+    /// Copies `len` bytes of a host storage at `src` to `off`, straight from the storage's
+    /// pages (by DMA when they are pinned).
+    ///
+    /// # Safety
+    /// `src..src + len` must lie in one host storage's bytes, live for the call.
+    pub(crate) unsafe fn write_from_storage(&self, off: usize, src: *const u8, len: usize) -> Result<()> {
+        let dst = self.range(off, len)?;
+        // SAFETY: `range` checked that the device bytes lie in this live allocation; the
+        // host range is the caller's contract.
+        unsafe { backend()?.htod_from_storage(self.device, dst, src, len) }
+    }
+
     /// Writes `count` copies of a 1-, 2- or 4-byte `pattern` at `off`.
     pub(crate) fn memset(&self, off: usize, pattern: &[u8], count: usize) -> Result<()> {
         let len = count.checked_mul(pattern.len()).ok_or_else(|| {

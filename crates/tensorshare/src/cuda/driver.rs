@@ -184,6 +184,55 @@ impl Backend {
         }
     }
 
+    /// Copies `len` bytes of a host storage at `src` to `dst`, read straight from the
+    /// storage's pages (pinned ones are copied by DMA, no staging): other handles and
+    /// processes may write them meanwhile, which leaves a mix of old and new values in the
+    /// copy, as the crate's safe copies do.
+    ///
+    /// # Safety
+    /// `dst..dst + len` must lie in one live allocation of `dev` mapped here, and
+    /// `src..src + len` in one host storage's bytes (see `atomic_bytes`), live for the call.
+    pub(crate) unsafe fn htod_from_storage(
+        &self,
+        dev: u32,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<()> {
+        match self {
+            // SAFETY: the caller's contract; the driver reads the host range, and no Rust
+            // reference to it is made.
+            Backend::Real(r) => unsafe { r.htod_raw(dev, dst, src, len) },
+            Backend::Sim(s) => {
+                // SAFETY: the caller's contract: the device range is a simulated allocation,
+                // the host range storage bytes, read with the atomic copies.
+                unsafe { s.copy_from_storage(dst, src, len) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Page-locks `len` host bytes at `ptr` for every device's context.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be mapped in this process until [`Backend::host_unregister`].
+    pub(crate) unsafe fn host_register(&self, ptr: u64, len: usize) -> Result<()> {
+        match self {
+            // SAFETY: the caller's contract.
+            Backend::Real(r) => unsafe { r.host_register(ptr, len) },
+            Backend::Sim(s) => s.host_register(ptr, len),
+        }
+    }
+
+    /// Undoes [`Backend::host_register`] of the range starting at `ptr`; errors are ignored
+    /// (this runs in drops).
+    pub(crate) fn host_unregister(&self, ptr: u64) {
+        match self {
+            Backend::Real(r) => r.host_unregister(ptr),
+            Backend::Sim(s) => s.host_unregister(ptr),
+        }
+    }
+
     /// Copies device bytes from `src` to the host.
     ///
     /// # Safety

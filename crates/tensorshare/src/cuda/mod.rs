@@ -41,6 +41,7 @@ mod alloc;
 mod cache;
 mod driver;
 mod event;
+mod pinned;
 mod real;
 mod sim;
 
@@ -50,6 +51,8 @@ pub use driver::DRIVER_ENV;
 pub(crate) use driver::{Export, IpcBytes};
 pub use event::Event;
 pub(crate) use event::{record_for_send, wait_received};
+pub use pinned::pinned_bytes;
+pub(crate) use pinned::register as register_host;
 
 use crate::{Device, Error, Result};
 

@@ -6,9 +6,10 @@
 //!
 //! Selected with `TENSORSHARE_CUDA_DRIVER=simulated` (two devices) or `simulated:N`.
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::driver::{Export, IpcBytes, Mapped, Mem};
 use crate::shm::Segment;
@@ -19,11 +20,54 @@ const EVENT_MAGIC: &[u8; 8] = b"TSSIMEV1";
 pub(crate) struct Sim {
     devices: u32,
     events: AtomicU64,
+    /// Registered host ranges (start, length), so that registering one twice or an
+    /// overlapping one fails as it does with the driver.
+    registered: Mutex<BTreeMap<u64, usize>>,
 }
 
 impl Sim {
     pub(crate) fn new(devices: u32) -> Sim {
-        Sim { devices, events: AtomicU64::new(1) }
+        Sim { devices, events: AtomicU64::new(1), registered: Mutex::new(BTreeMap::new()) }
+    }
+
+    /// Records a page-locked host range: the simulated device copies from any host memory
+    /// alike, so registering is bookkeeping, checked as the driver checks it.
+    pub(crate) fn host_register(&self, ptr: u64, len: usize) -> Result<()> {
+        let mut r = crate::util::lock(&self.registered);
+        let end = ptr.checked_add(len as u64).filter(|_| len > 0 && ptr % 4096 == 0);
+        let Some(end) = end else {
+            return Err(Error::Device(format!(
+                "cuMemHostRegister of {len} bytes at {ptr:#x}: invalid range"
+            )));
+        };
+        let before = r.range(..end).next_back().map(|(&s, &l)| s + l as u64);
+        if before.is_some_and(|e| e > ptr) {
+            return Err(Error::Device(format!(
+                "cuMemHostRegister of {len} bytes at {ptr:#x}: CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"
+            )));
+        }
+        r.insert(ptr, len);
+        Ok(())
+    }
+
+    pub(crate) fn host_unregister(&self, ptr: u64) {
+        crate::util::lock(&self.registered).remove(&ptr);
+    }
+
+    /// Copies `len` bytes of a host storage at `src` to the simulated allocation at `dst`,
+    /// with the crate's atomic copies (other handles may write the storage meanwhile).
+    ///
+    /// # Safety
+    /// `dst..dst + len` must lie in a live simulated allocation that nothing else in this
+    /// process accesses during the call, `src..src + len` in one host storage's bytes.
+    pub(crate) unsafe fn copy_from_storage(&self, dst: u64, src: *const u8, len: usize) {
+        if len == 0 {
+            return;
+        }
+        // SAFETY: the destination range is a live mapping that nothing else here touches
+        // meanwhile (the caller's contract); the source is storage bytes, read word by
+        // word with atomic loads.
+        unsafe { crate::atomic_bytes::load(src, std::slice::from_raw_parts_mut(dst as *mut u8, len)) };
     }
 
     pub(crate) fn device_count(&self) -> u32 {

@@ -1,6 +1,14 @@
 //! ndarray views (feature `ndarray`, on by default).
+//!
+//! `view`/`view_mut` (any number of dimensions) and `view_dim`/`view_mut_dim` (the number
+//! of dimensions in the type: `Ix2`, `Ix4`, ...) borrow the tensor's elements without a
+//! copy, and are `unsafe`: the elements may be written through other handles and processes
+//! (see `borrow`). `to_array` and `from_array` copy, and are safe.
 
-use ndarray::{ArrayBase, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, ShapeBuilder};
+use ndarray::{
+    Array, ArrayBase, ArrayView, ArrayViewD, ArrayViewMut, ArrayViewMutD, Data, Dimension, IxDyn,
+    ShapeBuilder,
+};
 
 use super::Tensor;
 use crate::{Element, Error, Result};
@@ -86,6 +94,96 @@ impl Tensor {
         unsafe { self.view_mut() }
     }
 
+    /// Checks that the tensor has as many dimensions as `D` (any number for `IxDyn`).
+    fn check_ndim<D: Dimension>(&self, op: &'static str) -> Result<()> {
+        match D::NDIM {
+            Some(n) if n != self.ndim() => Err(Error::shape(
+                op,
+                &self.shape,
+                format!(
+                    "a {n}-dimensional array was asked for, but the tensor has {} dimensions (shape {:?})",
+                    self.ndim(),
+                    self.shape
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Tensor::view`] with the number of dimensions in the type: an `ArrayView2` for a
+    /// matrix, an `ArrayView4` for a batch of images, borrowed without a copy.
+    ///
+    /// ```
+    /// use tensorshare::ndarray::Ix2;
+    /// use tensorshare::Tensor;
+    /// # fn main() -> tensorshare::Result<()> {
+    /// let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+    /// // SAFETY: no other handle of t's storage exists that could write it meanwhile.
+    /// let m = unsafe { t.view_dim::<f32, Ix2>()? };
+    /// assert_eq!(m[[1, 2]], 6.0);
+    /// assert_eq!(m.column(0).sum(), 5.0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Safety
+    /// As [`Tensor::view`]: while the view lives, nothing may write its elements through
+    /// another handle, thread or process.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the tensor does not have `D`'s number of dimensions; as
+    /// [`Tensor::view`] otherwise.
+    pub unsafe fn view_dim<T: Element, D: Dimension>(&self) -> Result<ArrayView<'_, T, D>> {
+        self.check_ndim::<D>("view_dim")?;
+        // SAFETY: the caller's promise is the one `view` asks for.
+        let view = unsafe { self.view::<T>() }?;
+        view.into_dimensionality::<D>().map_err(|e| Error::shape("view_dim", &self.shape, e.to_string()))
+    }
+
+    /// [`Tensor::view_mut`] with the number of dimensions in the type, borrowed without a
+    /// copy. Other handles of the storage (in every process) see the writes.
+    ///
+    /// # Safety
+    /// As [`Tensor::view_mut`]: while the view lives, nothing else may read or write its
+    /// elements through another handle, thread or process.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the tensor does not have `D`'s number of dimensions; as
+    /// [`Tensor::view_mut`] otherwise.
+    pub unsafe fn view_mut_dim<T: Element, D: Dimension>(&mut self) -> Result<ArrayViewMut<'_, T, D>> {
+        self.check_ndim::<D>("view_mut_dim")?;
+        let shape = self.shape.clone();
+        // SAFETY: the caller's promise is the one `view_mut` asks for.
+        let view = unsafe { self.view_mut::<T>() }?;
+        view.into_dimensionality::<D>().map_err(|e| Error::shape("view_mut_dim", &shape, e.to_string()))
+    }
+
+    /// A copy of the elements as an owned ndarray array of `D` dimensions (row-major,
+    /// whatever the tensor's strides; a CUDA tensor is copied from its device). Safe
+    /// whatever other handles do meanwhile, as [`Tensor::to_vec`].
+    ///
+    /// ```
+    /// use tensorshare::ndarray::{array, Ix2};
+    /// use tensorshare::Tensor;
+    /// # fn main() -> tensorshare::Result<()> {
+    /// let t = Tensor::from_vec(vec![1i64, 2, 3, 4, 5, 6], &[2, 3])?;
+    /// assert_eq!(t.t()?.to_array::<i64, Ix2>()?, array![[1, 4], [2, 5], [3, 6]]);
+    /// assert!(t.to_array::<i64, tensorshare::ndarray::Ix3>().is_err()); // two dimensions
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the tensor does not have `D`'s number of dimensions; as
+    /// [`Tensor::to_vec`] otherwise.
+    pub fn to_array<T: Element, D: Dimension>(&self) -> Result<Array<T, D>> {
+        self.check_ndim::<D>("to_array")?;
+        let data = self.to_vec::<T>()?;
+        let array = Array::from_shape_vec(IxDyn(&self.shape), data)
+            .map_err(|e| Error::shape("to_array", &self.shape, e.to_string()))?;
+        array.into_dimensionality::<D>().map_err(|e| Error::shape("to_array", &self.shape, e.to_string()))
+    }
+
     /// A contiguous private tensor with a copy of an ndarray's elements.
     ///
     /// # Panics
@@ -148,6 +246,63 @@ mod tests {
         let b = Tensor::from_storage(bytes.storage().clone(), DType::Bool, &[3], &[1], 0).unwrap();
         // SAFETY: nothing writes the storage while the view would live.
         assert!(unsafe { b.view::<bool>() }.is_err());
+    }
+
+    #[test]
+    fn typed_views_have_the_tensors_dimensions() {
+        use ndarray::{Ix0, Ix1, Ix2, Ix3};
+        let a = ndarray::Array::from_shape_vec((2, 3), (0..6).map(|v| v as f32).collect::<Vec<_>>()).unwrap();
+        let t = Tensor::from_array(&a);
+        let tt = t.t().unwrap();
+        // SAFETY (all borrows in this test): one thread, and nothing writes the storage
+        // while a view lives.
+        assert_eq!(unsafe { tt.view_dim::<f32, Ix2>() }.unwrap(), a.t());
+        assert_eq!(unsafe { tt.view_dim::<f32, IxDyn>() }.unwrap(), a.t().into_dyn());
+        for wrong in
+            [unsafe { t.view_dim::<f32, Ix3>() }.map(|_| ()), unsafe { t.view_dim::<f32, Ix1>() }.map(|_| ())]
+        {
+            let e = wrong.unwrap_err();
+            assert!(matches!(&e, Error::Shape { op: "view_dim", .. }), "{e}");
+            assert!(e.to_string().contains("has 2 dimensions (shape [2, 3])"), "{e}");
+        }
+        assert!(matches!(unsafe { t.view_dim::<f64, Ix2>() }, Err(Error::DTypeMismatch { .. })));
+        let scalar = Tensor::from_vec(vec![7i32], &[]).unwrap();
+        assert_eq!(unsafe { scalar.view_dim::<i32, Ix0>() }.unwrap()[()], 7);
+    }
+
+    #[test]
+    fn typed_mutable_views_write_through() {
+        use ndarray::{Ix2, Ix3};
+        let base = Tensor::zeros(&[2, 3], DType::I16);
+        let mut col = base.narrow(1, 2, 1).unwrap();
+        // SAFETY: one thread; `base` is not read or written while the view lives.
+        unsafe { col.view_mut_dim::<i16, Ix2>() }.unwrap().fill(9);
+        assert_eq!(base.to_vec::<i16>().unwrap(), vec![0, 0, 9, 0, 0, 9]);
+        // SAFETY: as above.
+        let e = unsafe { col.view_mut_dim::<i16, Ix3>() }.unwrap_err();
+        assert!(matches!(e, Error::Shape { op: "view_mut_dim", .. }), "{e}");
+    }
+
+    #[test]
+    fn to_array_copies_any_strides_and_checks_dimensions() {
+        use ndarray::{Ix1, Ix2, Ix4};
+        let t = Tensor::from_vec((0..24).map(|v| v as f64).collect(), &[2, 3, 4]).unwrap();
+        let p = t.permute(&[2, 0, 1]).unwrap();
+        let expected =
+            ndarray::Array::from_shape_vec((2, 3, 4), (0..24).map(|v| v as f64).collect()).unwrap();
+        let got = p.to_array::<f64, ndarray::Ix3>().unwrap();
+        assert_eq!(got, expected.permuted_axes([2, 0, 1]));
+        assert!(got.is_standard_layout(), "a copy is row-major");
+        assert_eq!(p.to_array::<f64, IxDyn>().unwrap().shape(), &[4, 2, 3]);
+        let e = t.to_array::<f64, Ix4>().unwrap_err();
+        assert!(
+            matches!(&e, Error::Shape { op: "to_array", .. }) && e.to_string().contains("4-dimensional"),
+            "{e}"
+        );
+        assert!(matches!(t.to_array::<f32, ndarray::Ix3>(), Err(Error::DTypeMismatch { .. })));
+        let empty = Tensor::zeros(&[0, 5], DType::U8);
+        assert_eq!(empty.to_array::<u8, Ix2>().unwrap().shape(), &[0, 5]);
+        assert!(matches!(Tensor::meta(&[3], DType::U8).to_array::<u8, Ix1>(), Err(Error::Device(_))));
     }
 
     #[test]

@@ -143,16 +143,49 @@ impl Real {
 
     /// Host to device; the host buffer may be reused when this returns.
     pub(crate) fn htod(&self, dev: u32, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: src is a live host slice of src.len() bytes, borrowed for the call.
+        unsafe { self.htod_raw(dev, dst, src.as_ptr(), src.len()) }
+    }
+
+    /// Host to device from `len` bytes at `src`; the host bytes are no longer read when this
+    /// returns.
+    ///
+    /// # Safety
+    /// `src..src + len` must be host memory mapped for the whole call (the caller checked
+    /// the device range).
+    pub(crate) unsafe fn htod_raw(&self, dev: u32, dst: u64, src: *const u8, len: usize) -> Result<()> {
         let st = self.state(dev)?;
-        // SAFETY: src is a live host slice of src.len() bytes; the caller checked that the
+        // SAFETY: the host range is mapped for the call (the caller's contract) and the
         // device range lies in one allocation. The stream is synchronised before return,
-        // so the host buffer is no longer read afterwards.
+        // so the host bytes are no longer read afterwards.
         unsafe {
-            check(
-                sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), st.stream),
-                "cuMemcpyHtoDAsync",
-            )?;
+            check(sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, st.stream), "cuMemcpyHtoDAsync")?;
             check(sys::cuStreamSynchronize(st.stream), "cuStreamSynchronize")
+        }
+    }
+
+    /// Page-locks `len` host bytes at `ptr` for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be mapped in this process until [`Real::host_unregister`].
+    pub(crate) unsafe fn host_register(&self, ptr: u64, len: usize) -> Result<()> {
+        // A context must be current; device 0's will do, the registration is portable.
+        self.state(0)?;
+        // SAFETY: the range is mapped (the caller's contract) and stays so until it is
+        // unregistered; the driver only locks its pages and records it.
+        check(
+            unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE) },
+            "cuMemHostRegister",
+        )
+    }
+
+    /// Undoes [`Real::host_register`]; errors are ignored (this runs in drops).
+    pub(crate) fn host_unregister(&self, ptr: u64) {
+        if self.state(0).is_ok() {
+            // SAFETY: ptr is the start of a range registered by host_register and not yet
+            // unregistered (a registration is dropped once); copies from it are synchronous,
+            // so none is still reading it.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
         }
     }
 
