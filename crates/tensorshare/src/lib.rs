@@ -75,8 +75,9 @@
 //!
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
-//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
-//! modules behind them are private:
+//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, and the
+//! conversions to other libraries in [`interop`] (one module and one feature per library:
+//! `dlpack`, `candle`, `burn`). The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -90,7 +91,8 @@
 
 // The modules are layers, and imports go down (README, "How it works"; the order and its
 // check are in tests/layering.rs). Every public item has one path: the crate root, or
-// `segments` and `cuda` for the few that belong there; the modules behind them are private.
+// `segments`, `cuda` and `interop` for the few that belong there; the modules behind them
+// are private.
 mod arena;
 mod atomic_bytes;
 mod channel;
@@ -99,6 +101,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod interop;
 mod nested;
 mod process;
 pub mod segments;

@@ -36,6 +36,8 @@ const LAYERS: &[&[&str]] = &[
     &["tensor"],
     // Tensors made of tensors.
     &["sparse", "nested"],
+    // Conversions to and from other libraries (features `dlpack`, `candle`, `burn`).
+    &["interop"],
     // The codec: values to bytes plus descriptors, and back.
     &["wire"],
     // Queues and pipes between processes.
