@@ -5,6 +5,7 @@
 //! |----------|-------------------------------|----------------------------------------------|------------------------------------------------|
 //! | `dlpack` | `interop::dlpack` (dlpark)    | `to_dlpack`: **aliases** (safe)              | `from_dlpack`: **aliases**, tensorshare's own exports only (safe); `copy_from_dlpack`: copies, any producer (`unsafe`) |
 //! | `candle` | `interop::candle` (candle-core) | `to_candle`: copies (safe)                 | `from_candle`: copies (safe)                   |
+//! | `burn`   | `interop::burn` (burn-backend) | `to_burn`: copies (safe); `into_burn`: moves without a copy when the tensor is exclusive, copies otherwise (safe); `to_burn_aliased`: **aliases**, burn copies before it writes (`unsafe`) | `from_burn`: copies (safe) |
 //!
 //! Each module's documentation has its dtype table and the details; each re-exports the
 //! library crate it converts to (`interop::candle::candle_core`, ...), so that callers name
@@ -49,18 +50,20 @@
 //! not offered. DLPack is the zero-copy route to libtorch meanwhile: torch's
 //! `torch.from_dlpack` takes what `dlpack::to_dlpack` makes.
 
+#[cfg(feature = "burn")]
+pub mod burn;
 #[cfg(feature = "candle")]
 pub mod candle;
 #[cfg(feature = "dlpack")]
 pub mod dlpack;
 
-#[cfg(any(feature = "dlpack", feature = "candle"))]
+#[cfg(any(feature = "dlpack", feature = "candle", feature = "burn"))]
 use crate::{DType, Error, Result, Tensor};
 
 /// A fresh contiguous tensor of `shape` in shared memory (current strategy) holding
 /// `bytes`: the elements in row-major order, native byte order. Checks that the byte count
 /// fits the shape and, for `bool`, that every byte is 0 or 1.
-#[cfg(any(feature = "dlpack", feature = "candle"))]
+#[cfg(any(feature = "dlpack", feature = "candle", feature = "burn"))]
 pub(crate) fn shared_from_bytes(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
     let t = Tensor::empty_shared(shape, dtype)?;
     let expected = t.storage().len();
@@ -80,7 +83,7 @@ pub(crate) fn shared_from_bytes(bytes: &[u8], dtype: DType, shape: &[usize]) -> 
 }
 
 /// For `bool`, an error unless every byte is 0 or 1 (the only valid `bool` values).
-#[cfg(any(feature = "dlpack", feature = "candle"))]
+#[cfg(any(feature = "dlpack", feature = "candle", feature = "burn"))]
 pub(crate) fn check_bools(bytes: &[u8], dtype: DType) -> Result<()> {
     if dtype == DType::Bool {
         if let Some(b) = bytes.iter().find(|b| **b > 1) {
