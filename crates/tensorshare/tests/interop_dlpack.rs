@@ -157,6 +157,12 @@ fn any_producers_tensor_is_copied_with_negative_and_zero_strides_and_an_odd_offs
     assert_eq!(t.to_vec::<i16>().unwrap(), vec![6, 5, 4, 3, 2, 1]);
     assert!(t.is_shared());
 
+    // Contiguous rows in reverse order: rows [3 4 5] and [0 1 2], copied a row at a time.
+    let d = foreign(bytes.clone(), DLDataType::I16, DLDevice::CPU, vec![2, 3], vec![-3, 1], 1 + 6);
+    // SAFETY: as above (values 0..=5).
+    let t = unsafe { copy_from_dlpack(&d) }.unwrap();
+    assert_eq!(t.to_vec::<i16>().unwrap(), vec![3, 4, 5, 0, 1, 2]);
+
     // A zero stride repeats a value; pinned host memory is host memory too.
     let host = DLDevice { device_type: DLDeviceType::CUDAHOST, device_id: 0 };
     let d = foreign(bytes.clone(), DLDataType::I16, host, vec![3, 2], vec![0, 2], 1 + 2);

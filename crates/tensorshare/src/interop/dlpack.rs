@@ -265,9 +265,16 @@ pub unsafe fn copy_from_dlpack<M: ManagedTensorBase>(d: &Managed<M>) -> Result<T
     }
     let bytes = match place {
         Place::Host => {
+            // The extent's first byte, derived from the producer's pointer (checked above to
+            // lie in the address space).
+            let first = view
+                .data_ptr()
+                .cast::<u8>()
+                .wrapping_add(usize::try_from(view.byte_offset()).map_err(bad)?)
+                .wrapping_sub((-lo) as usize);
             // SAFETY: the caller's contract: the elements' bytes, all of which lie in the
-            // extent from base + lo, are readable and not written meanwhile.
-            unsafe { gather((base + lo) as usize as *const u8, -lo, &shape, &strides, dtype.size()) }?
+            // extent from `first`, are readable and not written meanwhile.
+            unsafe { gather(first, -lo, &shape, &strides, dtype.size()) }?
         }
         #[cfg(feature = "cuda")]
         Place::Cuda(dev) => {
@@ -329,7 +336,8 @@ fn extent(shape: &[usize], strides: &[i64], size: usize) -> Result<(i128, i128)>
     Ok((lo * size, (hi + 1) * size))
 }
 
-/// The bytes of every element, in row-major order.
+/// The bytes of every element, in row-major order: a row at a time where the last
+/// dimension is contiguous, an element at a time otherwise.
 ///
 /// # Safety
 /// `first` is the lowest byte of the extent; the element at offset 0 is `origin` bytes
@@ -346,22 +354,28 @@ unsafe fn gather(
         shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("size overflows"))?;
     let total = numel.checked_mul(size).ok_or_else(|| bad("the byte size overflows"))?;
     let mut out = try_bytes(total)?;
-    if shape.contains(&0) {
+    if numel == 0 {
         return Ok(out);
     }
-    let mut idx = vec![0usize; shape.len()];
-    for chunk in out.chunks_exact_mut(size) {
+    let rows = strides.last() == Some(&1);
+    let (outer, run) = match shape.split_last() {
+        Some((&inner, outer)) if rows => (outer, inner * size),
+        _ => (shape, size),
+    };
+    let mut idx = vec![0usize; outer.len()];
+    for chunk in out.chunks_exact_mut(run) {
         let off: i128 = idx.iter().zip(strides).map(|(&i, &s)| i as i128 * i128::from(s)).sum();
-        // SAFETY: `idx` indexes an element of the view, whose bytes lie in the extent from
-        // `first` (the caller's contract), so the address is in bounds and readable, and
-        // `chunk` is a distinct, exclusively borrowed host buffer.
+        // SAFETY: `idx` indexes an element of the view (the first of a row of contiguous
+        // elements when `rows`), whose bytes lie in the extent from `first` (the caller's
+        // contract), so the `run` bytes read are in bounds and readable; `chunk` is a
+        // distinct, exclusively borrowed host buffer of `run` bytes.
         unsafe {
             let src = first.add((origin + off * size as i128) as usize);
-            std::ptr::copy_nonoverlapping(src, chunk.as_mut_ptr(), size);
+            std::ptr::copy_nonoverlapping(src, chunk.as_mut_ptr(), run);
         }
-        for d in (0..shape.len()).rev() {
+        for d in (0..outer.len()).rev() {
             idx[d] += 1;
-            if idx[d] < shape[d] {
+            if idx[d] < outer[d] {
                 break;
             }
             idx[d] = 0;
