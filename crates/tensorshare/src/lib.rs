@@ -75,10 +75,11 @@
 //!
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
-//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, and with
-//! feature `safetensors` the file functions in `safetensors`. The
-//! crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a program uses
-//! the versions tensorshare was built with. The modules behind them are private:
+//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, with
+//! feature `safetensors` the file functions in `safetensors`, and the conversions to other
+//! libraries in [`interop`] (one module and one feature per library: `dlpack`, `candle`,
+//! `burn`). The crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a
+//! program uses the versions tensorshare was built with. The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -92,7 +93,8 @@
 
 // The modules are layers, and imports go down (README, "How it works"; the order and its
 // check are in tests/layering.rs). Every public item has one path: the crate root, or
-// `segments` and `cuda` for the few that belong there; the modules behind them are private.
+// `segments`, `cuda` and `interop` for the few that belong there; the modules behind them
+// are private.
 mod arena;
 mod atomic_bytes;
 mod channel;
@@ -101,6 +103,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod interop;
 mod nested;
 mod process;
 pub mod segments;

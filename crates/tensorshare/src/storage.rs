@@ -275,6 +275,14 @@ impl Storage {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// How many handles of this storage exist in this process: its clones, the tensors
+    /// viewing it, and what holds one of those (an export to another library, a value being
+    /// sent). A snapshot, which other threads may change at once; for diagnostics and tests
+    /// ("did the other library let go?"), not for deciding who may touch the bytes.
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     /// A copy of the bytes (for a device storage, copied from the device).
     ///
     /// # Panics

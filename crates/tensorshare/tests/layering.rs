@@ -38,6 +38,8 @@ const LAYERS: &[&[&str]] = &[
     &["sparse", "nested"],
     // Named tensors over one storage (a model's weights), and their files.
     &["weights"],
+    // Conversions to and from other libraries (features `dlpack`, `candle`, `burn`).
+    &["interop"],
     // The codec: values to bytes plus descriptors, and back.
     &["wire"],
     // Queues and pipes between processes.

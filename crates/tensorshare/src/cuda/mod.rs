@@ -95,6 +95,21 @@ fn ordinal(device: Device) -> Result<u32> {
     }
 }
 
+/// Copies `dst.len()` bytes of device memory at `src` on `device` to the host, after the
+/// work queued on tensorshare's stream there: for memory that another library allocated
+/// (a DLPack import).
+///
+/// # Safety
+/// `src..src + dst.len()` must lie in one live allocation of `device` mapped in this
+/// process.
+#[cfg(feature = "dlpack")]
+pub(crate) unsafe fn copy_to_host(device: u32, src: u64, dst: &mut [u8]) -> Result<()> {
+    let b = driver::backend()?;
+    b.check_device(device)?;
+    // SAFETY: the caller's contract.
+    unsafe { b.dtoh(device, dst, src) }
+}
+
 /// The bytes of a device storage, copied to the host.
 pub(crate) fn storage_bytes(a: &Allocation, len: usize) -> Result<Vec<u8>> {
     let mut out = vec![0u8; len];
