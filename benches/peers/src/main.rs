@@ -1,10 +1,11 @@
-//! `peers`: the workloads of BENCHMARKS.md through tensorshare and ipc-channel, side by side
-//! in one run, each between two real processes.
+//! `peers`: the workloads of BENCHMARKS.md through tensorshare, ipc-channel and iceoryx2, side
+//! by side in one run, each between two real processes.
 //!
 //! Rounds are interleaved: in every round each (workload, placement) cell runs once on every
 //! system, so that drift of this shared machine reaches all systems alike; each cell reports
 //! the median over the rounds with their minimum and maximum. See README.md.
 
+mod iox;
 mod ipc;
 mod peer;
 mod place;
@@ -15,26 +16,36 @@ mod work;
 use std::collections::BTreeSet;
 use std::process::ExitCode;
 
+use iox::{Files, Wait};
 use place::Placement;
 use report::{num, quote, summarise, verdict, Spread};
 use work::{Figures, Job, Res};
 
 /// The exact versions in Cargo.toml (pinned there so that these words stay true).
 const IPC_CHANNEL_VERSION: &str = "0.20.2";
+const ICEORYX2_VERSION: &str = "0.9.3";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum System {
     Tensorshare,
     IpcChannel,
+    Iceoryx2(Wait),
 }
 
 impl System {
-    const ALL: [System; 2] = [System::Tensorshare, System::IpcChannel];
+    const ALL: [System; 5] = [
+        System::Tensorshare,
+        System::IpcChannel,
+        System::Iceoryx2(Wait::Poll),
+        System::Iceoryx2(Wait::Block),
+        System::Iceoryx2(Wait::Hybrid),
+    ];
 
     fn name(self) -> String {
         match self {
             System::Tensorshare => "tensorshare".into(),
             System::IpcChannel => format!("ipc-channel {IPC_CHANNEL_VERSION}"),
+            System::Iceoryx2(w) => format!("iceoryx2 {ICEORYX2_VERSION} {}", w.name()),
         }
     }
 }
@@ -80,10 +91,17 @@ impl Workload {
     }
 
     /// The run of this workload on `system` in `placement`. Counts keep the whole default
-    /// run within minutes on a 2-core machine and are the same for every system. `quick`
-    /// divides by 10.
-    fn job(self, _system: System, _placement: Placement, quick: bool) -> Job {
-        let (rounds, big_rounds, warmup, items, batches) = (1000, 300, 50, 5000, 100);
+    /// run within minutes on a 2-core machine and are the same for every system, except for
+    /// iceoryx2 polling where its two processes may share a core (one-core, and unpinned when
+    /// the scheduler puts both on one): there each hand-off waits out the spinner's time slice
+    /// (milliseconds), and fewer iterations already give the steady state. `quick` divides by 10.
+    fn job(self, system: System, placement: Placement, quick: bool) -> Job {
+        let poll = system == System::Iceoryx2(Wait::Poll);
+        let (rounds, big_rounds, warmup, items, batches) = match (poll, placement) {
+            (true, Placement::OneCore) => (20, 20, 5, 400, 20),
+            (true, Placement::Unpinned) => (100, 100, 20, 400, 100),
+            _ => (1000, 300, 50, 5000, 100),
+        };
         let q = |n: usize| if quick { (n / 10).max(5) } else { n };
         match self {
             Workload::PingPong { size, same } => Job::PingPong {
@@ -161,6 +179,7 @@ fn peer_main(args: &[String]) -> Res<()> {
     peer::become_peer(parent)?;
     match system.as_str() {
         "ipc" => ipc::peer_main(rest),
+        "iox" => iox::peer_main(rest),
         other => Err(format!("peer: unknown system {other:?}")),
     }
 }
@@ -182,6 +201,10 @@ fn bench(o: &Options) -> Res<()> {
         eprintln!("peers: CPUs 0 and 1 are not both allowed here; measuring unpinned only");
         vec![Placement::Unpinned]
     };
+    let files = Files::for_this_process();
+    if std::path::Path::new(&files.root).exists() {
+        return Err(format!("{} exists already; remove it first", files.root));
+    }
     let before = leftovers::snapshot();
 
     let mut cells: Vec<Cell> = Vec::new();
@@ -214,6 +237,7 @@ fn bench(o: &Options) -> Res<()> {
                     let f = match c.system {
                         System::Tensorshare => ts::run(&c.job, child),
                         System::IpcChannel => ipc::run(&c.job, child),
+                        System::Iceoryx2(w) => iox::run(&c.job, w, child, &files),
                     }
                     .map_err(|e| {
                         format!("{} {} {}: {e}", c.workload.label(), c.placement.name(), c.system.name())
@@ -224,7 +248,10 @@ fn bench(o: &Options) -> Res<()> {
         }
         place::pin(None, &all)
     };
-    run_all(&mut cells)?;
+    let outcome = run_all(&mut cells);
+    // Clean up whether or not every run succeeded.
+    let removed = leftovers::remove_iceoryx2_files(&files);
+    outcome?;
     let elapsed = t0.elapsed().as_secs_f64();
 
     if o.json {
@@ -234,8 +261,15 @@ fn bench(o: &Options) -> Res<()> {
     }
     let after = leftovers::snapshot();
     let left: Vec<&String> = after.difference(&before).collect();
+    eprintln!(
+        "peers: iceoryx2 left {} file(s) of this run under {} and /dev/shm/{}*, now removed{}",
+        removed.len(),
+        files.root,
+        files.prefix,
+        if removed.is_empty() { String::new() } else { format!(": {}", removed.join(" ")) }
+    );
     if left.is_empty() {
-        eprintln!("peers: /dev/shm and /tmp/.tmp*: nothing new since the start");
+        eprintln!("peers: /dev/shm and /tmp/{{iceoryx2,iox2,.tmp}}*: nothing new since the start");
     } else {
         eprintln!("peers: new since the start in /dev/shm and /tmp: {left:?}");
     }
@@ -288,12 +322,14 @@ fn iterations(job: &Job) -> String {
 const NOTES: &str = "\
 pingpong: one-way µs (round trip / 2), median of the rounds' medians and of their p99s;
 stream: GB/s; batch: tensors/s. iters: timed rounds + warm-up, items, or messages x tensors.
-batch: tensorshare a Vec<Tensor>, ipc-channel a Vec<IpcSharedMemory> (at most 64 regions per message).";
+iceoryx2 cannot send a received sample on: pingpong's child copies each into a new sample, and
+\"same\" copies one source buffer into a new sample every round. batch: tensorshare a Vec<Tensor>,
+ipc-channel a Vec<IpcSharedMemory> (at most 64 regions per message), iceoryx2 100 samples + one wake-up.";
 const _: () = assert!(ipc::MAX_REGIONS_PER_MESSAGE == 64, "NOTES quotes it");
 
 fn print_table(cells: &[Cell], o: &Options, elapsed: f64) {
     println!(
-        "peers: {} (UTC), {}; tensorshare {} against ipc-channel {IPC_CHANNEL_VERSION}",
+        "peers: {} (UTC), {}; tensorshare {} against ipc-channel {IPC_CHANNEL_VERSION} and iceoryx2 {ICEORYX2_VERSION}",
         report::today(),
         report::machine(),
         env!("CARGO_PKG_VERSION"),
@@ -365,12 +401,12 @@ fn print_json(cells: &[Cell], rounds: usize) {
     }
 }
 
-/// What the run may leave behind.
+/// What the run may leave behind, and removing iceoryx2's own files.
 mod leftovers {
     use super::*;
 
-    /// Names in /dev/shm, and those in /tmp that ipc-channel (its one-shot server's
-    /// temporary directory) would make.
+    /// Names in /dev/shm, and those in /tmp that iceoryx2 or ipc-channel (its one-shot
+    /// server's temporary directory) would make.
     pub fn snapshot() -> BTreeSet<String> {
         let list = |dir: &str, keep: &dyn Fn(&str) -> bool| -> Vec<String> {
             std::fs::read_dir(dir)
@@ -384,7 +420,48 @@ mod leftovers {
                 .unwrap_or_default()
         };
         let mut s: BTreeSet<String> = list("/dev/shm", &|_| true).into_iter().collect();
-        s.extend(list("/tmp", &|n| n.starts_with(".tmp")));
+        s.extend(list("/tmp", &|n| {
+            n.starts_with("iceoryx2") || n.starts_with("iox2") || n.starts_with(".tmp")
+        }));
         s
+    }
+
+    /// Removes what iceoryx2 left of this program's runs (its root directory and the
+    /// /dev/shm files with this program's prefix) and returns their names. iceoryx2 keeps a
+    /// node counter in a segment that outlives every node by design.
+    pub fn remove_iceoryx2_files(files: &Files) -> Vec<String> {
+        let mut removed = Vec::new();
+        if let Ok(rd) = std::fs::read_dir("/dev/shm") {
+            for e in rd.filter_map(|e| e.ok()) {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&files.prefix) && std::fs::remove_file(e.path()).is_ok() {
+                    removed.push(format!("/dev/shm/{name}"));
+                }
+            }
+        }
+        let root = std::path::Path::new(&files.root);
+        if root.exists() {
+            let mut inside = Vec::new();
+            walk(root, &mut inside);
+            removed.extend(inside);
+            if let Err(e) = std::fs::remove_dir_all(root) {
+                eprintln!("peers: could not remove {}: {e}", files.root);
+            }
+        }
+        removed
+    }
+
+    /// Every file (not directory) under `dir`.
+    fn walk(dir: &std::path::Path, out: &mut Vec<String>) {
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.filter_map(|e| e.ok()) {
+                let p = e.path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else {
+                    out.push(p.display().to_string());
+                }
+            }
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! The child holds its end until the parent closes the child's stdin: a consumer may still
 //! be reading what a producer sent, and the producer's ports must outlive that.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 
 use crate::work::{Ctx, Res};
@@ -33,6 +33,13 @@ impl Peer {
             .ctx("starting the peer process")?;
         let stdin = child.stdin.take();
         Ok(Peer { child, stdin })
+    }
+
+    /// Tells the peer to go on (see `wait_for_go`).
+    pub fn go(&mut self) -> Res<()> {
+        let stdin = self.stdin.as_mut().ok_or("the peer's stdin is closed")?;
+        stdin.write_all(b"g").ctx("writing to the peer")?;
+        stdin.flush().ctx("writing to the peer")
     }
 
     /// Tells the peer that the run is over and waits for it to exit.
@@ -70,6 +77,12 @@ pub fn become_peer(parent: &str) -> Res<()> {
         return Err(format!("peer: parent {parent} is gone"));
     }
     Ok(())
+}
+
+/// The peer's side: waits for the parent's `Peer::go`.
+pub fn wait_for_go() -> Res<()> {
+    let mut b = [0u8; 1];
+    std::io::stdin().read_exact(&mut b).ctx("peer: waiting for the parent")
 }
 
 /// The peer's side, after its work: waits for the parent to close our stdin.

@@ -2,7 +2,7 @@
 //! every system's side shares.
 
 use std::fmt::Debug;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -148,6 +148,39 @@ pub fn fill_f32_bytes(b: &mut [u8], v: f32) {
     let x = v.to_ne_bytes();
     for c in b.chunks_exact_mut(4) {
         c.copy_from_slice(&x);
+    }
+}
+
+/// How long a waiting side waits for its peer before it gives up: a peer that died or hung
+/// must end the benchmark with an error, not stall it.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A clock for `PATIENCE`, read only now and then so that spinning stays cheap.
+pub struct Patience {
+    since: Instant,
+    spins: u32,
+}
+
+impl Patience {
+    pub fn start() -> Self {
+        Patience { since: Instant::now(), spins: 0 }
+    }
+
+    /// Counts one fruitless look; every 4096 looks checks the clock.
+    pub fn spin(&mut self, what: &str) -> Res<()> {
+        self.spins = self.spins.wrapping_add(1);
+        if self.spins.is_multiple_of(4096) {
+            self.check(what)?;
+        }
+        Ok(())
+    }
+
+    /// Fails once `PATIENCE` has passed.
+    pub fn check(&self, what: &str) -> Res<()> {
+        if self.since.elapsed() > PATIENCE {
+            return Err(format!("{what}: nothing from the peer for {} s", PATIENCE.as_secs()));
+        }
+        Ok(())
     }
 }
 
