@@ -271,7 +271,10 @@ fn bench(o: &Options) -> Res<()> {
     if left.is_empty() {
         eprintln!("peers: /dev/shm and /tmp/{{iceoryx2,iox2,.tmp}}*: nothing new since the start");
     } else {
-        eprintln!("peers: new since the start in /dev/shm and /tmp: {left:?}");
+        // Other processes on the machine may have made them: names, not blame.
+        eprintln!(
+            "peers: new in /dev/shm and /tmp since the start (this run's or another process's): {left:?}"
+        );
     }
     Ok(())
 }
