@@ -130,7 +130,8 @@ const USAGE: &str = "usage: peers [--rounds N] [--quick] [--json] [--only TEXT].
   --only TEXT only the workloads, placements and systems whose names contain TEXT (each
               --only narrows further), e.g. --only stream --only iceoryx2";
 
-fn parse(args: &[String]) -> Res<Options> {
+/// The options, or `None` when help was asked for.
+fn parse(args: &[String]) -> Res<Option<Options>> {
     let mut rounds = None;
     let (mut quick, mut json, mut only) = (false, false, Vec::new());
     let mut it = args.iter();
@@ -146,11 +147,11 @@ fn parse(args: &[String]) -> Res<Options> {
             "--quick" => quick = true,
             "--json" => json = true,
             "--only" => only.push(it.next().ok_or("--only needs a word")?.clone()),
-            "-h" | "--help" => return Err(USAGE.into()),
+            "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    Ok(Options { rounds: rounds.unwrap_or(if quick { 2 } else { 10 }), quick, json, only })
+    Ok(Some(Options { rounds: rounds.unwrap_or(if quick { 2 } else { 10 }), quick, json, only }))
 }
 
 fn main() -> ExitCode {
@@ -160,7 +161,13 @@ fn main() -> ExitCode {
     let result = if args.first().map(String::as_str) == Some(peer::PEER_ROLE) {
         peer_main(&args[1..])
     } else {
-        parse(&args).and_then(|o| bench(&o))
+        parse(&args).and_then(|o| match o {
+            Some(o) => bench(&o),
+            None => {
+                println!("{USAGE}");
+                Ok(())
+            }
+        })
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
