@@ -75,8 +75,8 @@
 //!
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
-//! directory in [`segments`] and, with feature `cuda`, the device functions in `cuda`. The
-//! modules behind them are private:
+//! directory in [`segments`], with feature `cuda` the device functions in `cuda`, and with
+//! feature `mpi` distributed communication in `dist`. The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -90,13 +90,16 @@
 
 // The modules are layers, and imports go down (README, "How it works"; the order and its
 // check are in tests/layering.rs). Every public item has one path: the crate root, or
-// `segments` and `cuda` for the few that belong there; the modules behind them are private.
+// `segments`, `cuda` and `dist` for the few that belong there; the modules behind them are
+// private.
 mod arena;
 mod atomic_bytes;
 mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+#[cfg(feature = "mpi")]
+pub mod dist;
 mod dtype;
 mod error;
 mod nested;
