@@ -174,6 +174,10 @@ pub mod raw {
     pub fn cleaner_pid() -> Option<i32> {
         crate::shm::group::cleaner_pid()
     }
+
+    /// rsmpi, as `dist` uses it: for benchmarks that measure MPI itself beside `dist`.
+    #[cfg(feature = "mpi")]
+    pub use mpi;
 }
 
 /// Lets go of every arena of this process whose slots are all free, and of the arenas the
