@@ -39,6 +39,8 @@ pub(super) struct Peer {
 
 /// What this rank shares with the other ranks of its node.
 pub(super) struct NodeLinks {
+    /// This rank's local rank.
+    pub(super) me: usize,
     /// By local rank; `None` for this rank.
     pub(super) peers: Vec<Option<Peer>>,
     pub(super) board: Board,
@@ -69,7 +71,11 @@ impl NodeLinks {
         let msg = wire::encode(value)?;
         // A closed peer shows as EPIPE: no liveness check is needed while the socket is full.
         socket::send(fd.as_fd(), msg, Deadline::after(None), &|| true)
-            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))
+            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))?;
+        if let Some(bell) = self.board.bell(local, ch as usize) {
+            bell.ring();
+        }
+        Ok(())
     }
 
     /// Receives a value from local rank `local` on `ch`, waiting as long as it takes (or
@@ -82,8 +88,9 @@ impl NodeLinks {
         during: &str,
     ) -> Result<T> {
         let (fd, rank) = self.fd(local, ch)?;
-        let record = socket::recv(fd.as_fd(), Deadline::after(None), &|| true)
-            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))?;
+        let bell = self.board.bell(self.me, ch as usize);
+        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| true, bell)
+            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
         record.decode_received()
     }
 
