@@ -127,6 +127,11 @@ pub(super) fn point_to_point<R>(during: &str, f: impl FnOnce(&mut State) -> Resu
     })
 }
 
+/// This process's id, without a system call each time (every call of `dist` asks).
+fn this_pid() -> u32 {
+    crate::util::fork::pid() as u32
+}
+
 fn not_initialized(why: impl Into<String>) -> Error {
     DistError::NotInitialized(why.into()).into()
 }
@@ -143,7 +148,7 @@ fn check_process() -> Result<()> {
         )),
         ENDED => Err(not_initialized("its session ended: dropping the dist::Session finalised MPI")),
         FAILED => Err(not_initialized("dist::init() failed in this process, which cannot take part")),
-        _ if PID.load(Ordering::Relaxed) != std::process::id() => Err(not_initialized(format!(
+        _ if PID.load(Ordering::Relaxed) != this_pid() => Err(not_initialized(format!(
             "this process is a fork of the rank (pid {}): only the rank itself talks to the other ranks",
             PID.load(Ordering::Relaxed)
         ))),
@@ -217,7 +222,7 @@ pub(super) fn init() -> Result<Session> {
     }
     match PHASE.load(Ordering::Acquire) {
         NEVER => {}
-        RUNNING if PID.load(Ordering::Relaxed) == std::process::id() => {
+        RUNNING if PID.load(Ordering::Relaxed) == this_pid() => {
             return Err(not_initialized("dist::init() was called twice: a process is one rank, once"))
         }
         ENDED | FAILED => {
@@ -245,7 +250,7 @@ pub(super) fn init() -> Result<Session> {
     let leaders = if topo.nodes().len() > 1 { leaders } else { None };
     let world = world_comm.duplicate();
     let _ = TOPOLOGY.set(topo.clone());
-    PID.store(std::process::id(), Ordering::Relaxed);
+    PID.store(this_pid(), Ordering::Relaxed);
     STATE.with(|cell| {
         *cell.borrow_mut() =
             Some(State { topo, world, leaders, seq: 0, links: Some(links), broken: None, mpi });
