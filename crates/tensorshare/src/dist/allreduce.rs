@@ -96,7 +96,7 @@ fn small_path(st: &State, tensor: &mut Tensor, op: ReduceOp, set: usize, during:
     let (dtype, numel) = (tensor.dtype(), tensor.numel());
     let n = st.topo.local_world_size();
     let board = &st.links()?.board;
-    let mut result = vec![0u8; numel * dtype.size()];
+    let mut result = collective::zeroed(numel * dtype.size())?;
     let mut load =
         |k: usize, offset: usize, buf: &mut [u8]| board.load(Area::Slot { set, rank: k }, offset, buf);
     if st.topo.nodes().len() == 1 {

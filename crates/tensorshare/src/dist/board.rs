@@ -298,7 +298,14 @@ impl Board {
             if gen.load(Ordering::Acquire) != g {
                 return Ok(());
             }
-            alive()?;
+            if let Err(e) = alive() {
+                // A rank that passed this barrier may have closed its sockets since (it
+                // ended its session): the barrier was passed before, and is passed here too.
+                if gen.load(Ordering::SeqCst) != g {
+                    return Ok(());
+                }
+                return Err(e);
+            }
         }
     }
 }

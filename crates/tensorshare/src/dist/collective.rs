@@ -86,17 +86,40 @@ pub(super) fn agree(
     verdict.into_result(&sig).map_err(Into::into)
 }
 
+/// Sends `t` (shared) to every other rank of the node. If it cannot be sent, the others are
+/// told why (they leave the group with that reason) before the error returns.
+pub(super) fn hand_out(st: &State, t: &Tensor, during: &str) -> Result<()> {
+    let links = st.links()?;
+    let me = st.topo.local_rank();
+    let others = || (0..st.topo.local_world_size()).filter(move |&k| k != me);
+    for k in others() {
+        if let Err(e) = links.send(&st.topo, k, Channel::Coll, &CollMsg::Tensor(t.clone()), during) {
+            for k in others() {
+                let _ = links.send(&st.topo, k, Channel::Coll, &CollMsg::Failed(e.to_string()), during);
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// Sends `mine` (contiguous, shared) to every other rank of the node and returns every
 /// rank's tensor, by local rank (this rank's is `mine`). They must all have `mine`'s
 /// dtype and shape, as the ranks agreed.
 pub(super) fn exchange(st: &State, mine: &Tensor, during: &str) -> Result<Vec<Tensor>> {
-    let links = st.links()?;
+    hand_out(st, mine, during)?;
     let me = st.topo.local_rank();
-    let n = st.topo.local_world_size();
-    for k in (0..n).filter(|&k| k != me) {
-        links.send(&st.topo, k, Channel::Coll, &CollMsg::Tensor(mine.clone()), during)?;
-    }
-    (0..n).map(|k| if k == me { Ok(mine.clone()) } else { receive(st, k, mine, during) }).collect()
+    (0..st.topo.local_world_size())
+        .map(|k| if k == me { Ok(mine.clone()) } else { receive(st, k, mine, during) })
+        .collect()
+}
+
+/// `len` zeroed bytes, or an error if they cannot be allocated.
+pub(super) fn zeroed(len: usize) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| crate::Error::AllocationFailed { bytes: len })?;
+    v.resize(len, 0);
+    Ok(v)
 }
 
 /// A tensor from local rank `from`, which must be like `like` (dtype and shape).

@@ -1,8 +1,7 @@
 //! `broadcast` and `all_gather`: tensors handed as handles inside a node, their elements
 //! sent by the leaders between nodes, and copied into each rank's own tensors.
 
-use super::collective::{self, agree, exchange, receive, CollMsg};
-use super::links::Channel;
+use super::collective::{self, agree, exchange, hand_out, receive, zeroed};
 use super::net;
 use super::state::State;
 use super::verdict::Kind;
@@ -13,16 +12,6 @@ fn from_bytes(like: &Tensor, bytes: &[u8]) -> Result<Tensor> {
     let mut t = Tensor::try_zeros(like.shape(), like.dtype())?;
     t.store_range(0, bytes)?;
     Ok(t)
-}
-
-/// Sends `t` (shared) to every other rank of the node.
-fn hand_out(st: &State, t: &Tensor, during: &str) -> Result<()> {
-    let links = st.links()?;
-    let me = st.topo.local_rank();
-    for k in (0..st.topo.local_world_size()).filter(|&k| k != me) {
-        links.send(&st.topo, k, Channel::Coll, &CollMsg::Tensor(t.clone()), during)?;
-    }
-    Ok(())
 }
 
 /// `dist::broadcast`: see there.
@@ -64,7 +53,7 @@ pub(super) fn broadcast(st: &mut State, tensor: &mut Tensor, src: usize, during:
         }
         t
     } else if leader {
-        let mut bytes = vec![0u8; tensor.numel() * tensor.dtype().size()];
+        let mut bytes = zeroed(tensor.numel() * tensor.dtype().size())?;
         let leaders =
             st.leaders.as_ref().ok_or_else(|| Error::invalid("a leader without its communicator"))?;
         net::broadcast_bytes(leaders, home, &mut bytes)?;
@@ -119,7 +108,12 @@ pub(super) fn all_gather(st: &mut State, tensor: &Tensor, during: &str) -> Resul
             let mut packed = Vec::new();
             packed.try_reserve_exact(total).map_err(|_| Error::AllocationFailed { bytes: total })?;
             for (i, node) in topo.nodes().iter().enumerate() {
-                let mut block = vec![0u8; node.ranks().len() * nbytes];
+                let len = node
+                    .ranks()
+                    .len()
+                    .checked_mul(nbytes)
+                    .ok_or_else(|| Error::invalid_argument("all_gather size", "overflows"))?;
+                let mut block = zeroed(len)?;
                 if i == topo.node() {
                     for (k, t) in local.iter().enumerate() {
                         t.load_range(0, &mut block[k * nbytes..(k + 1) * nbytes])?;
@@ -137,7 +131,7 @@ pub(super) fn all_gather(st: &mut State, tensor: &Tensor, during: &str) -> Resul
             let like = Tensor::try_meta(&[total], crate::DType::U8)?;
             receive(st, 0, &like, during)?
         };
-        let mut buf = vec![0u8; nbytes];
+        let mut buf = zeroed(nbytes)?;
         for (k, &rank) in remote.iter().enumerate() {
             packed.load_range(k * nbytes, &mut buf)?;
             out[rank] = Some(from_bytes(tensor, &buf)?);

@@ -134,7 +134,9 @@ pub fn recv<T: DeserializeOwned>(src: usize) -> Result<T> {
 }
 
 /// Copies rank `src`'s tensor into `tensor` on every other rank (torch's `broadcast`). Every
-/// rank passes a tensor of the same dtype and shape, any strides.
+/// rank passes a tensor of the same dtype and shape, any strides. The source's tensor, if
+/// contiguous, moves into shared memory in place (as sending does) and its node's ranks copy
+/// from it directly.
 pub fn broadcast(tensor: &mut Tensor, src: usize) -> Result<()> {
     let during = format!("broadcast from rank {src}");
     state::collective(&during, |st| gather::broadcast(st, tensor, src, &during))
@@ -153,7 +155,8 @@ pub fn all_reduce(tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
 }
 
 /// Every rank's `tensor`, by rank, as private copies (torch's `all_gather`). Every rank
-/// passes a tensor of the same dtype and shape.
+/// passes a tensor of the same dtype and shape; a contiguous one moves into shared memory in
+/// place (as sending does), and the ranks of its node copy from it directly.
 pub fn all_gather(tensor: &Tensor) -> Result<Vec<Tensor>> {
     state::collective("all_gather", |st| gather::all_gather(st, tensor, "all_gather"))
 }
