@@ -76,10 +76,11 @@
 //! # Paths
 //! Every item has one path: the crate root, except the tools of the shared-memory
 //! directory in [`segments`], with feature `cuda` the device functions in `cuda`, with
-//! feature `safetensors` the file functions in `safetensors`, and the conversions to other
-//! libraries in [`interop`] (one module and one feature per library: `dlpack`, `candle`,
-//! `burn`). The crates the API speaks are re-exported whole ([`ndarray`], [`half`]), so a
-//! program uses the versions tensorshare was built with. The modules behind them are private:
+//! feature `safetensors` the file functions in `safetensors`, with feature `mpi` distributed
+//! communication in `dist`, and the conversions to other libraries in [`interop`] (one module
+//! and one feature per library: `dlpack`, `candle`, `burn`). The crates the API speaks are
+//! re-exported whole ([`ndarray`], [`half`]), so a program uses the versions tensorshare was
+//! built with. The modules behind them are private:
 //!
 //! ```compile_fail,E0603
 //! use tensorshare::process::Pool; // the path is tensorshare::Pool
@@ -93,14 +94,16 @@
 
 // The modules are layers, and imports go down (README, "How it works"; the order and its
 // check are in tests/layering.rs). Every public item has one path: the crate root, or
-// `segments`, `cuda` and `interop` for the few that belong there; the modules behind them
-// are private.
+// `segments`, `cuda`, `dist` and `interop` for the few that belong there; the modules
+// behind them are private.
 mod arena;
 mod atomic_bytes;
 mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+#[cfg(feature = "mpi")]
+pub mod dist;
 mod dtype;
 mod error;
 pub mod interop;
@@ -189,6 +192,10 @@ pub mod raw {
     pub fn cleaner_pid() -> Option<i32> {
         crate::shm::group::cleaner_pid()
     }
+
+    /// rsmpi, as `dist` uses it: for benchmarks that measure MPI itself beside `dist`.
+    #[cfg(feature = "mpi")]
+    pub use mpi;
 }
 
 /// Lets go of every arena of this process whose slots are all free, and of the arenas the

@@ -46,6 +46,9 @@ const LAYERS: &[&[&str]] = &[
     &["channel"],
     // Workers, pools, the cleaner.
     &["process"],
+    // Distributed communication on MPI (feature `mpi`): ranks of a job, above everything a
+    // single process does.
+    &["dist"],
 ];
 
 /// Files longer than this need a reason (below): split them by concept instead.

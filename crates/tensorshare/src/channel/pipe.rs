@@ -68,6 +68,13 @@ impl<T> Connection<T> {
     pub(crate) fn socket(&self) -> &Arc<OwnedFd> {
         &self.fd
     }
+
+    /// One end over a connected AF_UNIX SOCK_SEQPACKET socket made elsewhere (accepted on a
+    /// listening socket, or connected to one): what the peer sends, this end receives.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn from_socket(fd: OwnedFd) -> Connection<T> {
+        Connection { fd: Arc::new(fd), _t: PhantomData }
+    }
 }
 
 /// The socket. Writing to it directly bypasses the codec (a test of a hostile peer does);

@@ -4,6 +4,8 @@
 //! theirs. A worker's failure ([`ProcessError`]) is plain data defined here, next to the
 //! enum that has it as a case, and the process layer fills it in.
 
+#[cfg(feature = "mpi")]
+pub(crate) mod dist;
 pub(crate) mod process;
 
 use std::io;
@@ -13,6 +15,8 @@ use std::sync::Arc;
 // plain data whose one import is this type, for the error of a name that is no dtype.
 use crate::DType;
 
+#[cfg(feature = "mpi")]
+pub use dist::DistError;
 pub use process::{Failure, ProcessError};
 
 /// What went wrong. Variants are stable enough to match on; new ones may be added.
@@ -117,6 +121,10 @@ pub enum Error {
     /// A worker process failed.
     #[error(transparent)]
     Process(#[from] ProcessError),
+    /// A distributed operation failed (`tensorshare::dist`, feature `mpi`).
+    #[cfg(feature = "mpi")]
+    #[error(transparent)]
+    Dist(#[from] DistError),
     /// One task of a [`Pool`](crate::Pool) call failed without running: its item or its
     /// function could not be sent to a worker, or its result could not be read back.
     /// The tasks of one chunk share the cause.

@@ -28,6 +28,8 @@ pub use pool::{AsyncResult, Pool, PoolBuilder, StarFn, Tasks};
 
 use handshake::{arrive, Arrival, Role};
 use worker::exit_now;
+#[cfg(feature = "mpi")]
+pub(crate) use worker::is_worker;
 
 /// The first line of `main`. In a worker it runs the worker's job and exits the process;
 /// everywhere else it returns at once.

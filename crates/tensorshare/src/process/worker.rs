@@ -173,9 +173,20 @@ pub(crate) fn refuse_if_unstarted() {
     }
 }
 
+/// Whether this process is a worker (set before its job runs, never unset).
+static IS_WORKER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process runs a worker's job (spawned, forked or from the fork server): what
+/// a layer above asks before it treats the process as a program of its own (an MPI rank).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn is_worker() -> bool {
+    IS_WORKER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A worker's life: read which job to run and its arguments from the job socket, run it,
 /// report, exit.
 pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
+    IS_WORKER.store(true, std::sync::atomic::Ordering::Relaxed);
     die_with_parent(ppid);
     install_panic_hook();
     if exit == ExitKind::Normal {

@@ -16,6 +16,8 @@ mod constructors;
 mod device;
 mod elements;
 mod geometry;
+#[cfg(feature = "mpi")]
+mod range;
 mod view;
 
 pub use atomic::{AtomicElement, AtomicView};

@@ -102,3 +102,23 @@ pub(crate) fn encoding() -> bool {
 
 pub(crate) use decode::decode_storage;
 pub(crate) use encode::encode_storage;
+
+/// `value` as plain bytes, by value: tensors carry their elements, and what only travels
+/// with descriptors (queues, pipes) refuses to go. What `dist` sends between nodes.
+#[cfg(feature = "mpi")]
+pub(crate) fn to_value_bytes<T: serde::Serialize + ?Sized>(value: &T) -> crate::Result<Vec<u8>> {
+    if encoding() {
+        return Err(crate::Error::Serialize("a value serialized by value while encoding a message".into()));
+    }
+    forget_reason();
+    postcard::to_allocvec(value).map_err(|e| crate::Error::Serialize(reason(e)))
+}
+
+/// Bytes made by [`to_value_bytes`] (in another process) back into a value, checked as a
+/// message is: a tensor handle or a descriptor in them is an error.
+#[cfg(feature = "mpi")]
+pub(crate) fn from_value_bytes<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> crate::Result<T> {
+    forget_reason();
+    postcard::from_bytes(bytes)
+        .map_err(|e| crate::Error::InvalidMessage(format!("cannot decode: {}", reason(e))))
+}

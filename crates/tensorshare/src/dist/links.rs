@@ -1,0 +1,140 @@
+//! The node's links: two sockets between every pair of ranks of a node (one for `send` and
+//! `recv`, one for collectives, so that a message waiting for a `recv` never meets a
+//! collective), carrying tensorshare messages: tensors travel as arena handles.
+//!
+//! A rank's sockets close when its process ends, however it ends: a peer that waits on it
+//! (in a receive, or at the board's barrier, which polls the sockets) gets an error that
+//! names it. A rank that leaves the process group after a failure closes its sockets on
+//! purpose, for the same effect.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use rustix::event::{PollFd, PollFlags};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::board::Board;
+use super::topology::Topology;
+use super::DistError;
+use crate::channel::socket::{self, Deadline};
+use crate::{wire, Error, Result};
+
+/// Which of a pair's two sockets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Channel {
+    /// `send` and `recv`.
+    P2p,
+    /// Collectives.
+    Coll,
+}
+
+/// The sockets to one other rank of the node.
+pub(super) struct Peer {
+    /// Its rank.
+    pub(super) rank: usize,
+    pub(super) p2p: Arc<OwnedFd>,
+    pub(super) coll: Arc<OwnedFd>,
+}
+
+/// What this rank shares with the other ranks of its node.
+pub(super) struct NodeLinks {
+    /// This rank's local rank.
+    pub(super) me: usize,
+    /// By local rank; `None` for this rank.
+    pub(super) peers: Vec<Option<Peer>>,
+    pub(super) board: Board,
+}
+
+impl NodeLinks {
+    fn peer(&self, local: usize) -> Result<&Peer> {
+        self.peers.get(local).and_then(Option::as_ref).ok_or_else(|| {
+            Error::invalid_argument("local rank", format!("{local} is this rank, or not a rank of this node"))
+        })
+    }
+
+    fn fd(&self, local: usize, ch: Channel) -> Result<(&Arc<OwnedFd>, usize)> {
+        let p = self.peer(local)?;
+        Ok((if ch == Channel::P2p { &p.p2p } else { &p.coll }, p.rank))
+    }
+
+    /// Sends `value` to local rank `local` on `ch`; tensors go as handles (shared in place).
+    pub(super) fn send<T: Serialize + ?Sized>(
+        &self,
+        topo: &Topology,
+        local: usize,
+        ch: Channel,
+        value: &T,
+        during: &str,
+    ) -> Result<()> {
+        let (fd, rank) = self.fd(local, ch)?;
+        let msg = wire::encode(value)?;
+        // A closed peer shows as EPIPE: no liveness check is needed while the socket is full.
+        socket::send(fd.as_fd(), msg, Deadline::after(None), &|| true)
+            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))?;
+        if let Some(bell) = self.board.bell(local, ch as usize) {
+            bell.ring();
+        }
+        Ok(())
+    }
+
+    /// Receives a value from local rank `local` on `ch`, waiting as long as it takes (or
+    /// until the peer is gone).
+    pub(super) fn recv<T: DeserializeOwned>(
+        &self,
+        topo: &Topology,
+        local: usize,
+        ch: Channel,
+        during: &str,
+    ) -> Result<T> {
+        let (fd, rank) = self.fd(local, ch)?;
+        let bell = self.board.bell(self.me, ch as usize);
+        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| true, bell)
+            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
+        record.decode_received()
+    }
+
+    /// An error naming the first peer whose collective socket shows that it is gone.
+    pub(super) fn check_alive(&self, topo: &Topology, during: &str) -> Result<()> {
+        let present: Vec<&Peer> = self.peers.iter().flatten().collect();
+        if present.is_empty() {
+            return Ok(());
+        }
+        let mut fds: Vec<PollFd<'_>> =
+            present.iter().map(|p| PollFd::new(p.coll.as_ref(), PollFlags::RDHUP)).collect();
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        match rustix::event::poll(&mut fds, Some(&zero)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::io("poll of the node's sockets", e)),
+        }
+        for (fd, p) in fds.iter().zip(&present) {
+            if fd.revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
+                return Err(topo.gone(self.cause(topo, p.rank), during).into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The rank to blame for `rank`'s absence: the one whose loss made it leave, if it left
+    /// on purpose, so that every survivor names the rank that died.
+    fn cause(&self, topo: &Topology, rank: usize) -> usize {
+        let local = topo.local_index(rank);
+        match local.and_then(|l| self.board.departed_for(l)) {
+            Some(c) => topo.local_ranks().get(c).copied().unwrap_or(rank),
+            None => rank,
+        }
+    }
+}
+
+/// A hang-up from `rank` as the error that names it; other errors as they are.
+fn gone(e: Error, topo: &Topology, rank: usize, during: &str) -> Error {
+    match e {
+        Error::Disconnected => Error::Dist(topo.gone(rank, during)),
+        e => e,
+    }
+}
+
+/// Whether `e` means that a rank of the node is gone (the process group is then broken).
+pub(super) fn is_gone(e: &Error) -> bool {
+    matches!(e, Error::Dist(DistError::RankGone { .. }))
+}

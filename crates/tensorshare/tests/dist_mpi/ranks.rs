@@ -1,0 +1,112 @@
+//! The ranks' side: each scenario runs on every rank and prints `rank R: ok ...`, or
+//! `rank R: FAILED: ...` and exits with 1 (which makes mpirun end the job).
+
+use tensorshare::dist::{self, DistError};
+use tensorshare::{DType, Error, Tensor};
+
+use crate::suite;
+
+/// A check's failure, with where it failed.
+pub type Check<T = ()> = Result<T, String>;
+
+/// Fails the scenario at this line unless `cond`.
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!("{}:{}: {}", file!(), line!(), format!($($msg)+)));
+        }
+    };
+}
+
+/// tensorshare's results as checks.
+pub trait Ctx<T> {
+    fn ctx(self, what: &str) -> Check<T>;
+}
+
+impl<T> Ctx<T> for tensorshare::Result<T> {
+    fn ctx(self, what: &str) -> Check<T> {
+        self.map_err(|e| format!("{what}: {e}"))
+    }
+}
+
+/// Runs scenario `name` and returns the process's exit code.
+pub fn run(name: &str) -> i32 {
+    let outcome = match name {
+        "node" => suite::node(),
+        "nodes" => suite::nodes(),
+        "single" => single(),
+        "dies" => dies(),
+        other => Err(format!("no scenario {other:?}")),
+    };
+    // The launcher's word (a session may have ended); a job without mpirun is rank 0.
+    let rank = std::env::var("OMPI_COMM_WORLD_RANK").unwrap_or_else(|_| "0".into());
+    match outcome {
+        Ok(summary) => {
+            println!("rank {rank}: ok: {summary}");
+            0
+        }
+        Err(e) => {
+            println!("rank {rank}: FAILED: {e}");
+            1
+        }
+    }
+}
+
+/// Whether `e` is `NotInitialized` and says `words`.
+pub fn not_initialized(e: Error, words: &str) -> Check {
+    let text = e.to_string();
+    ensure!(matches!(e, Error::Dist(DistError::NotInitialized(_))) && text.contains(words), "{text}");
+    Ok(())
+}
+
+/// A job of one rank, started without a launcher.
+fn single() -> Check<String> {
+    not_initialized(dist::rank().unwrap_err(), "call tensorshare::dist::init() first")?;
+    let session = dist::init().ctx("init")?;
+    ensure!(dist::rank().ctx("rank")? == 0, "the rank of a job of one");
+    let topo = dist::topology().ctx("topology")?;
+    ensure!(topo.world_size() == 1 && topo.rank() == 0 && topo.nodes().len() == 1, "{topo:?}");
+    let mut t = Tensor::from_vec(vec![1.5f32, -2.0, 3.0], &[3]).ctx("tensor")?;
+    for op in [dist::ReduceOp::Sum, dist::ReduceOp::Mean, dist::ReduceOp::Max] {
+        dist::all_reduce(&mut t, op).ctx("all_reduce")?;
+        ensure!(
+            t.to_vec::<f32>().ctx("values")? == vec![1.5, -2.0, 3.0],
+            "{op:?} of one rank is the identity"
+        );
+    }
+    dist::broadcast(&mut t, 0).ctx("broadcast")?;
+    let all = dist::all_gather(&t).ctx("all_gather")?;
+    ensure!(all.len() == 1 && all[0].equal(&t), "all_gather of one rank");
+    dist::barrier().ctx("barrier")?;
+    let e = dist::send(&1u8, 0).unwrap_err();
+    ensure!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("is this rank"), "{e}");
+    let e = dist::recv::<u8>(1).unwrap_err();
+    ensure!(e.to_string().contains("rank 1 in a job of 1 ranks"), "{e}");
+    drop(session);
+    not_initialized(dist::barrier().unwrap_err(), "session ended")?;
+    not_initialized(dist::init().unwrap_err(), "cannot start again")?;
+    Ok("a job of one rank".into())
+}
+
+/// Rank 2 kills itself while the others wait on it: in a receive (rank 1) and in a
+/// collective (ranks 0 and 3). Each must name rank 2, and stay broken.
+fn dies() -> Check<String> {
+    let _session = dist::init().ctx("init")?;
+    let rank = dist::rank().ctx("rank")?;
+    ensure!(dist::world_size().ctx("size")? == 4, "this scenario runs on 4 ranks");
+    dist::barrier().ctx("barrier")?;
+    let e = match rank {
+        2 => {
+            // SAFETY: kill has no memory preconditions; the process ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            return Err("still alive after SIGKILL".into());
+        }
+        1 => dist::recv::<u64>(2).map(|_| ()).unwrap_err(),
+        _ => dist::all_reduce(&mut Tensor::zeros(&[16], DType::F32), dist::ReduceOp::Sum).unwrap_err(),
+    };
+    ensure!(matches!(&e, Error::Dist(DistError::RankGone { rank: 2, .. })), "{e}");
+    let again = dist::barrier().unwrap_err();
+    ensure!(again.to_string() == e.to_string(), "later calls return the same error: {again}");
+    Ok(format!("saw {e}"))
+}

@@ -1,0 +1,314 @@
+//! What every rank checks, on one node (`node`) and on two (`nodes`).
+
+use half::{bf16, f16};
+use tensorshare::dist::{self, DistError, ReduceOp};
+use tensorshare::{spawn, DType, Error, Queue, Tensor};
+
+use crate::ensure;
+use crate::ranks::{not_initialized, Check, Ctx};
+
+const DTYPES: [DType; 9] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::U8,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+];
+const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Product, ReduceOp::Max, ReduceOp::Min];
+/// More bytes than a board slot holds, for every dtype: the path without a copy.
+const LARGE: usize = 300_001;
+
+fn tensor_of(dtype: DType, vals: &[f64]) -> Check<Tensor> {
+    let shape = [vals.len()];
+    match dtype {
+        DType::F32 => Tensor::from_vec(vals.iter().map(|&v| v as f32).collect(), &shape),
+        DType::F64 => Tensor::from_vec(vals.to_vec(), &shape),
+        DType::F16 => Tensor::from_vec(vals.iter().map(|&v| f16::from_f64(v)).collect(), &shape),
+        DType::BF16 => Tensor::from_vec(vals.iter().map(|&v| bf16::from_f64(v)).collect(), &shape),
+        DType::U8 => Tensor::from_vec(vals.iter().map(|&v| v as u8).collect(), &shape),
+        DType::I8 => Tensor::from_vec(vals.iter().map(|&v| v as i8).collect(), &shape),
+        DType::I16 => Tensor::from_vec(vals.iter().map(|&v| v as i16).collect(), &shape),
+        DType::I32 => Tensor::from_vec(vals.iter().map(|&v| v as i32).collect(), &shape),
+        DType::I64 => Tensor::from_vec(vals.iter().map(|&v| v as i64).collect(), &shape),
+        DType::Bool => Tensor::from_vec(vals.iter().map(|&v| v != 0.0).collect(), &shape),
+    }
+    .ctx("a tensor of values")
+}
+
+fn values(t: &Tensor) -> Check<Vec<f64>> {
+    fn all<T: tensorshare::Element>(t: &Tensor, f: impl Fn(T) -> f64) -> Check<Vec<f64>> {
+        Ok(t.to_vec::<T>().ctx("values")?.into_iter().map(f).collect())
+    }
+    match t.dtype() {
+        DType::F32 => all(t, |v: f32| v as f64),
+        DType::F64 => all(t, |v: f64| v),
+        DType::F16 => all(t, |v: f16| v.to_f64()),
+        DType::BF16 => all(t, |v: bf16| v.to_f64()),
+        DType::U8 => all(t, |v: u8| v as f64),
+        DType::I8 => all(t, |v: i8| v as f64),
+        DType::I16 => all(t, |v: i16| v as f64),
+        DType::I32 => all(t, |v: i32| v as f64),
+        DType::I64 => all(t, |v: i64| v as f64),
+        DType::Bool => all(t, |v: bool| v as u8 as f64),
+    }
+}
+
+/// Rank `rank`'s element `i` for `op`: small numbers, so that every result is exact in
+/// every dtype.
+fn value(op: ReduceOp, rank: usize, i: usize) -> f64 {
+    match op {
+        ReduceOp::Product => 1.0 + ((i + rank) % 2) as f64,
+        _ => ((i * 7 + rank * 3) % 5) as f64,
+    }
+}
+
+fn expected(op: ReduceOp, size: usize, i: usize) -> f64 {
+    let vals = (0..size).map(|r| value(op, r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Mean => vals.sum::<f64>() / size as f64,
+        ReduceOp::Product => vals.product(),
+        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+        ReduceOp::Min => vals.fold(f64::MAX, f64::min),
+    }
+}
+
+fn check_all_reduce(dtype: DType, op: ReduceOp, n: usize, size: usize, rank: usize) -> Check<Tensor> {
+    let mut t = tensor_of(dtype, &(0..n).map(|i| value(op, rank, i)).collect::<Vec<_>>())?;
+    dist::all_reduce(&mut t, op).ctx(&format!("all_reduce of {n} {dtype} with {op:?}"))?;
+    for (i, got) in values(&t)?.into_iter().enumerate() {
+        let want = expected(op, size, i);
+        ensure!(got == want, "{dtype} {op:?} of {n}: element {i} is {got}, not {want}");
+    }
+    Ok(t)
+}
+
+fn collectives(size: usize, rank: usize) -> Check<usize> {
+    let mut checks = 0;
+    for dtype in DTYPES {
+        for op in OPS.into_iter().filter(|&op| op != ReduceOp::Mean || dtype.is_float()) {
+            check_all_reduce(dtype, op, 37, size, rank)?;
+            checks += 1;
+        }
+    }
+    for (dtype, op) in [
+        (DType::F32, ReduceOp::Sum),
+        (DType::F32, ReduceOp::Mean),
+        (DType::F64, ReduceOp::Min),
+        (DType::F16, ReduceOp::Sum),
+        (DType::BF16, ReduceOp::Product),
+        (DType::U8, ReduceOp::Max),
+        (DType::I64, ReduceOp::Sum),
+    ] {
+        let t = check_all_reduce(dtype, op, LARGE, size, rank)?;
+        ensure!(t.is_shared(), "a large all_reduce works in shared memory, in place");
+        checks += 1;
+    }
+    // Views with strides, small and large: every view of the base sees the result.
+    let sum = (size * (size + 1) / 2) as f32;
+    for n in [6, 100_000] {
+        let base = Tensor::full(&[n, 4], (rank + 1) as f32);
+        let mut view = base.t().ctx("transpose")?;
+        dist::all_reduce(&mut view, ReduceOp::Sum).ctx("all_reduce of a transposed view")?;
+        ensure!(base.to_vec::<f32>().ctx("values")?.iter().all(|&v| v == sum), "a strided all_reduce of {n}");
+        checks += 1;
+    }
+    // Broadcast from the last rank, into contiguous tensors and into a transposed view.
+    let src = size - 1;
+    for n in [10, 200_000] {
+        let mut t = if rank == src {
+            Tensor::from_vec((0..n).map(|i| i as f32).collect(), &[n]).ctx("tensor")?
+        } else {
+            Tensor::zeros(&[n], DType::F32)
+        };
+        dist::broadcast(&mut t, src).ctx("broadcast")?;
+        ensure!(
+            t.to_vec::<f32>().ctx("values")?.iter().enumerate().all(|(i, &v)| v == i as f32),
+            "broadcast {n}"
+        );
+        checks += 1;
+    }
+    let base = Tensor::zeros(&[3, 5], DType::I32);
+    let mut t = if rank == src {
+        Tensor::from_vec((0..15).collect::<Vec<i32>>(), &[5, 3]).ctx("tensor")?
+    } else {
+        base.t().ctx("transpose")?
+    };
+    dist::broadcast(&mut t, src).ctx("broadcast into a view")?;
+    ensure!(t.to_vec::<i32>().ctx("values")? == (0..15).collect::<Vec<_>>(), "broadcast into a strided view");
+    // All-gather, small and large: private copies, by rank.
+    for n in [3, 100_000] {
+        let mine = Tensor::full(&[n], rank as i64);
+        let all = dist::all_gather(&mine).ctx("all_gather")?;
+        ensure!(all.len() == size, "all_gather of {size} ranks gave {}", all.len());
+        for (r, t) in all.iter().enumerate() {
+            ensure!(!t.is_shared() && t.shape() == [n], "all_gather gives private copies");
+            ensure!(
+                t.to_vec::<i64>().ctx("values")?.iter().all(|&v| v == r as i64),
+                "all_gather: rank {r}'s tensor"
+            );
+        }
+        checks += 1;
+    }
+    dist::barrier().ctx("barrier")?;
+    checks += mismatches(size, rank)?;
+    Ok(checks + 1)
+}
+
+/// Collectives the ranks do not agree on: the same error everywhere, the group still usable.
+fn mismatches(size: usize, rank: usize) -> Check<usize> {
+    let odd = size - 1;
+    let mut t = Tensor::zeros(&[4], if rank == odd { DType::F64 } else { DType::F32 });
+    let e = dist::all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+    let text = e.to_string();
+    ensure!(matches!(e, Error::Dist(DistError::Mismatch { .. })), "{text}");
+    ensure!(text.contains(&format!("rank {odd} called")) && text.contains("float64"), "{text}");
+    let mut t = Tensor::zeros(&[if rank == 1 { 5 } else { 4 }], DType::F32);
+    let text = dist::all_reduce(&mut t, ReduceOp::Max).unwrap_err().to_string();
+    ensure!(text.contains("rank 1 called") && text.contains("shape [5]"), "{text}");
+    let e = if rank == 0 { dist::barrier() } else { dist::all_reduce(&mut t, ReduceOp::Sum) }.unwrap_err();
+    ensure!(e.to_string().contains("barrier") && e.to_string().contains("all_reduce (sum)"), "{e}");
+    let mut t = if rank == odd { Tensor::meta(&[4], DType::F32) } else { Tensor::zeros(&[4], DType::F32) };
+    let e = dist::all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+    ensure!(matches!(&e, Error::Dist(DistError::Refused { rank, .. }) if *rank == odd), "{e}");
+    ensure!(e.to_string().contains("meta"), "{e}");
+    let e = dist::all_reduce(&mut Tensor::zeros(&[4], DType::I32), ReduceOp::Mean).unwrap_err();
+    ensure!(e.to_string().contains("mean of a int32 tensor"), "{e}");
+    let e = dist::all_reduce(&mut Tensor::zeros(&[4], DType::Bool), ReduceOp::Max).unwrap_err();
+    ensure!(e.to_string().contains("bool"), "{e}");
+    let e = dist::broadcast(&mut Tensor::zeros(&[4], DType::U8), size).unwrap_err();
+    ensure!(e.to_string().contains(&format!("names rank {size} as the source")), "{e}");
+    check_all_reduce(DType::F32, ReduceOp::Sum, 5, size, rank)?;
+    Ok(7)
+}
+
+fn point_to_point(size: usize, rank: usize) -> Check<usize> {
+    let topo = dist::topology().ctx("topology")?;
+    let mut checks = 0;
+    dist::send(&(rank as u64), (rank + 1) % size).ctx("send around the ring")?;
+    let got: u64 = dist::recv((rank + size - 1) % size).ctx("recv around the ring")?;
+    ensure!(got == ((rank + size - 1) % size) as u64, "the ring brought {got}");
+    // Within a node: a tensor as a handle (the receiver writes what the sender sees), a queue.
+    let here = topo.nodes()[topo.node()].ranks().to_vec();
+    if let [a, b, ..] = here[..] {
+        if rank == a {
+            let t = Tensor::zeros(&[8], DType::F32);
+            let q: Queue<u64> = Queue::new().ctx("queue")?;
+            dist::send(&("hello".to_string(), t.clone(), vec![1u64, 2, 3], q.clone()), b).ctx("send to b")?;
+            ensure!(q.get().ctx("the queue's value")? == 5, "a queue sent to another rank");
+            ensure!(
+                t.is_shared() && t.to_vec::<f32>().ctx("values")? == vec![7.0; 8],
+                "b wrote through the handle"
+            );
+        } else if rank == b {
+            type Msg = (String, Tensor, Vec<u64>, Queue<u64>);
+            let (s, mut t, v, q): Msg = dist::recv(a).ctx("recv from a")?;
+            ensure!(s == "hello" && v == [1, 2, 3] && t.is_shared(), "what b received");
+            t.fill(7.0f32).ctx("fill")?;
+            q.put(5).map_err(|e| e.to_string())?;
+        }
+        checks += 1;
+    }
+    // Across nodes: tensors by value, queues refused.
+    if topo.nodes().len() > 1 {
+        let far = topo.nodes()[1].ranks()[0];
+        let n = 300_000;
+        if rank == 0 {
+            let t = Tensor::from_vec((0..n).map(|i| i as f32).collect(), &[n]).ctx("tensor")?;
+            dist::send(&("far", t.clone()), far).ctx("send across")?;
+            let back: Tensor = dist::recv(far).ctx("recv across")?;
+            ensure!(t.to_vec::<f32>().ctx("values")?[7] == 7.0, "the receiver's writes stay there");
+            ensure!(
+                !back.is_shared() && back.to_vec::<f32>().ctx("values")?.iter().all(|&v| v == 9.0),
+                "back"
+            );
+            let q: Queue<u64> = Queue::new().ctx("queue")?;
+            let e = dist::send(&q, far).unwrap_err().to_string();
+            ensure!(e.contains("can only travel inside a tensorshare message"), "{e}");
+        } else if rank == far {
+            let (s, mut t): (String, Tensor) = dist::recv(0).ctx("recv across")?;
+            ensure!(s == "far" && !t.is_shared(), "across nodes a tensor comes by value");
+            ensure!(
+                t.to_vec::<f32>().ctx("values")?.iter().enumerate().all(|(i, &v)| v == i as f32),
+                "values"
+            );
+            t.fill(9.0f32).ctx("fill")?;
+            dist::send(&t, 0).ctx("send back")?;
+        }
+        checks += 1;
+    }
+    let e = dist::send(&1u8, rank).unwrap_err();
+    ensure!(e.to_string().contains("is this rank"), "{e}");
+    let e = dist::recv::<u8>(size).unwrap_err();
+    ensure!(e.to_string().contains(&format!("rank {size} in a job of {size} ranks")), "{e}");
+    Ok(checks + 2)
+}
+
+/// A rank starts a tensorshare worker, which is no rank, and passes on what it made.
+fn workers(size: usize) -> Check<usize> {
+    type Made = (Tensor, String, String);
+    let q: Queue<Made> = Queue::new().ctx("queue")?;
+    let mut ctx = spawn(
+        |_: usize, q: Queue<Made>| {
+            let init = dist::init().err().map(|e| e.to_string()).unwrap_or_default();
+            let rank = dist::rank().err().map(|e| e.to_string()).unwrap_or_default();
+            q.put((Tensor::full(&[1000], 3.0f32), init, rank)).expect("put");
+        },
+        q.clone(),
+        1,
+    )
+    .ctx("spawn a worker")?;
+    let (mut t, init, rank) = q.get().ctx("the worker's tensor")?;
+    ctx.join(None).map_err(|e| format!("join the worker: {e}"))?;
+    ensure!(init.contains("tensorshare worker") && rank.contains("tensorshare worker"), "{init} / {rank}");
+    dist::all_reduce(&mut t, ReduceOp::Sum).ctx("all_reduce of a worker's tensor")?;
+    let want = 3.0 * size as f32;
+    ensure!(t.to_vec::<f32>().ctx("values")?.iter().all(|&v| v == want), "the worker's tensor, reduced");
+    Ok(1)
+}
+
+/// Checks on this rank's thread, and from another thread.
+fn threads(rank: usize) -> Check<usize> {
+    let e = dist::init().unwrap_err();
+    not_initialized(e, "called twice")?;
+    std::thread::scope(|s| {
+        s.spawn(|| -> Check {
+            ensure!(dist::rank().ctx("rank from another thread")? == rank, "rank from another thread");
+            not_initialized(dist::barrier().unwrap_err(), "not the thread that called dist::init()")
+        })
+        .join()
+        .map_err(|_| "the other thread panicked".to_string())?
+    })?;
+    Ok(2)
+}
+
+pub fn node() -> Check<String> {
+    not_initialized(dist::rank().unwrap_err(), "call tensorshare::dist::init() first")?;
+    let session = dist::init().ctx("init")?;
+    let topo = dist::topology().ctx("topology")?;
+    let (rank, size) = (topo.rank(), topo.world_size());
+    ensure!(size == 4 && topo.nodes().len() == 1 && topo.nodes()[0].ranks() == [0, 1, 2, 3], "{topo:?}");
+    ensure!(topo.local_rank() == rank && topo.node_of(3) == Some(0) && topo.node_of(4).is_none(), "{topo:?}");
+    ensure!(!topo.nodes()[0].name().is_empty(), "a node has a name");
+    let checks = threads(rank)? + point_to_point(size, rank)? + collectives(size, rank)? + workers(size)?;
+    drop(session);
+    not_initialized(dist::rank().unwrap_err(), "session ended")?;
+    Ok(format!("{checks} checks on one node"))
+}
+
+pub fn nodes() -> Check<String> {
+    let _session = dist::init().ctx("init")?;
+    let topo = dist::topology().ctx("topology")?;
+    let (rank, size) = (topo.rank(), topo.world_size());
+    let nodes = topo.nodes();
+    ensure!(size == 4 && nodes.len() == 2, "{topo:?}");
+    ensure!(nodes[0].ranks() == [0, 1] && nodes[1].ranks() == [2, 3], "{topo:?}");
+    ensure!(nodes[0].name() != nodes[1].name(), "two hosts: {topo:?}");
+    ensure!(topo.local_rank() == rank % 2 && topo.node() == rank / 2, "{topo:?}");
+    let checks = point_to_point(size, rank)? + collectives(size, rank)? + workers(size)?;
+    Ok(format!("{checks} checks on node {} ({}) of two", topo.node(), nodes[topo.node()].name()))
+}
