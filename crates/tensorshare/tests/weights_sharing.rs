@@ -3,9 +3,10 @@
 #![cfg(feature = "safetensors")]
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
+use common::TempDir;
 use tensorshare::{safetensors, spawn, Queue, SharingStrategy, Weights};
 
 tensorshare::enable_test_workers!();
@@ -74,24 +75,6 @@ fn holds_the_model(w: &Weights, n: usize, every_element: bool) -> bool {
         })
 }
 
-/// A directory of this test's own, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("tensorshare-weights-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// The mapping of this process that holds address `ptr`: its device and inode, which name
 /// the arena's file the same way in every process.
 fn mapping_of(ptr: usize) -> String {
@@ -155,7 +138,7 @@ const COLS: usize = 1024; // 16 tensors of 4 MiB: a 64 MiB model
 /// processes together hold about one model (Pss), not five.
 fn one_model_in_memory_for_all_workers(_: ()) {
     let dir = TempDir::new("pss");
-    let path = dir.0.join("model.safetensors");
+    let path = dir.path("model.safetensors");
     write_model(&path, TENSORS, ROWS, COLS);
     let model_q: Queue<Weights> = Queue::new().unwrap();
     let report: Queue<Report> = Queue::new().unwrap();
@@ -235,7 +218,7 @@ fn one_model_in_memory_for_all_workers_checked() {
 fn weights_go_and_come_back(strategy: SharingStrategy) {
     tensorshare::set_sharing_strategy(strategy).unwrap();
     let dir = TempDir::new(&format!("back-{strategy}"));
-    let path = dir.0.join("small.safetensors");
+    let path = dir.path("small.safetensors");
     write_model(&path, 3, 8, 16);
     let w = safetensors::load(&path).unwrap();
     assert_eq!(w.storage().sharing_strategy(), Some(strategy));

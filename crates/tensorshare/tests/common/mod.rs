@@ -128,3 +128,37 @@ pub fn integer_parameter_reaches_a_worker(ip: Tensor) {
     .unwrap();
     assert_eq!(ctx.join(None), Ok(true));
 }
+
+/// A directory of a test's own, removed with everything in it when dropped.
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    /// `tensorshare-weights-PID-TAG` under the system's temporary directory, made empty.
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("tensorshare-weights-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    /// The path of `name` in the directory.
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+
+    /// The names of the files in the directory, sorted.
+    pub fn files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
