@@ -47,7 +47,8 @@
 //!
 //! A rank that dies: by default `mpirun` ends the whole job as soon as a rank exits with
 //! an error or is killed, and names it (`mpirun noticed that process rank 2 with PID 0 on
-//! node vm exited on signal 9`). Within a node tensorshare notices it on its own: the
+//! node vm exited on signal 9`; or a survivor that already left with the error below, whose
+//! message names the dead rank). Within a node tensorshare notices it on its own: the
 //! kernel closes a dead rank's sockets, and every wait here (a receive, a barrier)
 //! watches them, so the ranks of its node get [`DistError::RankGone`], naming it, within
 //! about 50 ms, and the group is then broken (every later call returns that error). With
