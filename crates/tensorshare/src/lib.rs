@@ -107,6 +107,7 @@ pub mod dist;
 mod dtype;
 mod error;
 pub mod interop;
+pub mod message;
 mod nested;
 mod process;
 pub mod segments;
@@ -117,6 +118,7 @@ mod strategy;
 mod tensor;
 mod thread;
 mod util;
+pub mod value;
 mod weights;
 mod wire;
 
@@ -133,6 +135,7 @@ pub use channel::{pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Failure, ProcessError, Result};
+pub use message::Message;
 pub use nested::NestedTensor;
 pub use process::{
     allow_fork_with_threads, init, spawn, start_processes, trust_libraries_without_build_id, AsyncResult,
@@ -146,6 +149,7 @@ pub use strategy::{
 };
 pub use tensor::{AtomicElement, AtomicView, Tensor, TensorKind};
 pub use thread::{get_thread_name, set_thread_name, MAX_THREAD_NAME};
+pub use value::Value;
 #[cfg(feature = "safetensors")]
 pub use weights::safetensors;
 pub use weights::Weights;

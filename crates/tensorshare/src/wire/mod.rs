@@ -15,7 +15,7 @@
 //! message can therefore only give up what it carried, and a replayed, duplicated or forged
 //! message can only add holds. Everything read from a message is checked before use.
 
-mod bytes;
+pub(crate) mod bytes;
 mod cache;
 mod decode;
 mod encode;

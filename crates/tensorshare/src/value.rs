@@ -1,0 +1,197 @@
+//! [`Value`]: the cross-language value, what a Rust process and a Python process exchange
+//! through one [`Queue`].
+//!
+//! A Python process using the `tensorshare` package puts and gets Python values; on the wire
+//! they are `Value`s, so a Rust process with a `Queue<Value>` (or a `SimpleQueue<Value>`, or
+//! a `Connection<Value>`) on the other end sees them, and what it puts reaches Python as the
+//! matching Python value. The mapping (the README's "Rust and Python" has the table):
+//!
+//! | Python | `Value` |
+//! |---|---|
+//! | `None`, `bool`, `int` (fitting in 64 bits), `float`, `str`, `bytes` | `None`, `Bool`, `Int`, `Float`, `Str`, `Bytes` |
+//! | `list`, `tuple`, `dict` | `List`, `Tuple`, `Dict` (pairs, in insertion order) |
+//! | `torch.Tensor` (also `Parameter`, `requires_grad`) | `Tensor` |
+//! | `numpy.ndarray` | `Array` |
+//! | a tensorshare queue | `Queue`, `SimpleQueue` |
+//! | anything else (a lambda, a class instance, a big `int`) | `Object`: pickled by value, tensors inside it travel beside the pickle as handles |
+//!
+//! Tensors travel as handles into shared memory, as everywhere in tensorshare: the receiver,
+//! Rust or Python, maps the sender's memory.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Queue, SimpleQueue, Tensor};
+
+/// How deeply values may nest in a message: a peer cannot make a receiver overflow its
+/// stack with a value nested a million levels deep.
+pub const MAX_DEPTH: usize = 256;
+
+/// A value of the cross-language wire: see the [module](self) docs for the mapping to Python.
+/// A received value nests at most [`MAX_DEPTH`] levels; a deeper one is a bad message.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(remote = "Value")]
+pub enum Value {
+    /// Python's `None`.
+    None,
+    /// A `bool`.
+    Bool(bool),
+    /// An `int` that fits in 64 bits (a bigger one travels as an `Object`).
+    Int(i64),
+    /// A `float`.
+    Float(f64),
+    /// A `str`.
+    Str(String),
+    /// `bytes`.
+    Bytes(
+        #[serde(serialize_with = "ser_bytes", deserialize_with = "crate::wire::bytes::deserialize")] Vec<u8>,
+    ),
+    /// A `list`.
+    List(Vec<Value>),
+    /// A `tuple`.
+    Tuple(Vec<Value>),
+    /// A `dict`: its items, in order.
+    Dict(Vec<(Value, Value)>),
+    /// A tensor, a `torch.Tensor` in Python.
+    Tensor(Tensor),
+    /// A tensor that is a `numpy.ndarray` in Python.
+    Array(Tensor),
+    /// A queue whose values are `Value`s.
+    Queue(Queue<Value>),
+    /// A simple queue whose values are `Value`s.
+    SimpleQueue(SimpleQueue<Value>),
+    /// A Python object pickled by value (cloudpickle), opaque to Rust: `pickle` refers to
+    /// `tensors` by index (a persistent id), so the tensors inside it still travel as handles.
+    Object {
+        /// The pickle.
+        #[serde(serialize_with = "ser_bytes", deserialize_with = "crate::wire::bytes::deserialize")]
+        pickle: Vec<u8>,
+        /// The tensors and arrays it holds, in the order its persistent ids name them.
+        tensors: Vec<Value>,
+    },
+}
+
+thread_local! {
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Serialize for Value {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        Value::serialize(self, s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Value {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Value, D::Error> {
+        struct Level;
+        impl Drop for Level {
+            fn drop(&mut self) {
+                DEPTH.with(|c| c.set(c.get() - 1));
+            }
+        }
+        let depth = DEPTH.with(|c| {
+            c.set(c.get() + 1);
+            c.get()
+        });
+        let _level = Level;
+        if depth > MAX_DEPTH {
+            return Err(crate::wire::de_error(format!("a value nested deeper than {MAX_DEPTH} levels")));
+        }
+        Value::deserialize(d)
+    }
+}
+
+fn ser_bytes<S: serde::Serializer>(b: &[u8], s: S) -> std::result::Result<S::Ok, S::Error> {
+    crate::wire::bytes::Bytes(b).serialize(s)
+}
+
+impl Value {
+    /// The value under `key` of a `Dict` whose keys are strings; `None` when there is none
+    /// or this is not a `Dict`.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        match self {
+            Value::Dict(items) => {
+                items.iter().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v)
+            }
+            _ => None,
+        }
+    }
+
+    /// The tensor of a `Tensor` or an `Array`.
+    pub fn as_tensor(&self) -> Option<&Tensor> {
+        match self {
+            Value::Tensor(t) | Value::Array(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The integer of an `Int`.
+    pub fn as_i64(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+
+    /// The number of a `Float`, or of an `Int` as a float.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::Float(f) => Some(*f),
+            Value::Int(i) => Some(*i as f64),
+            _ => None,
+        }
+    }
+
+    /// The text of a `Str`.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The items of a `List` or a `Tuple`.
+    pub fn as_slice(&self) -> Option<&[Value]> {
+        match self {
+            Value::List(v) | Value::Tuple(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A `Dict` with string keys, from `(key, value)` pairs.
+    pub fn dict<K: Into<String>>(items: impl IntoIterator<Item = (K, Value)>) -> Value {
+        Value::Dict(items.into_iter().map(|(k, v)| (Value::Str(k.into()), v)).collect())
+    }
+}
+
+macro_rules! from_impls {
+    ($($t:ty => $v:ident $(as $cast:ty)?),* $(,)?) => {$(
+        impl From<$t> for Value {
+            fn from(x: $t) -> Value {
+                Value::$v(x $(as $cast)?)
+            }
+        }
+    )*};
+}
+
+from_impls! {
+    bool => Bool, i64 => Int, i32 => Int as i64, u32 => Int as i64, f64 => Float,
+    f32 => Float as f64, String => Str, Tensor => Tensor,
+}
+
+impl From<&str> for Value {
+    fn from(s: &str) -> Value {
+        Value::Str(s.to_owned())
+    }
+}
+
+impl From<Vec<Value>> for Value {
+    fn from(v: Vec<Value>) -> Value {
+        Value::List(v)
+    }
+}
+
+impl From<()> for Value {
+    fn from(_: ()) -> Value {
+        Value::None
+    }
+}
