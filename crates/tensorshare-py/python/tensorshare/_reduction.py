@@ -1,0 +1,272 @@
+"""Tensors and arrays to and from blocks of shared memory, and pickling by value.
+
+Called by the native module (``_native``) while it turns Python values into the
+cross-language ``Value`` and back; not a public interface.
+"""
+
+import io
+import pickle
+import sys
+import weakref
+
+from . import _native
+
+try:  # cloudpickle pickles lambdas, closures and local functions by value
+    import cloudpickle as _cloudpickle
+except ImportError:  # pragma: no cover - a dependency of the package
+    _cloudpickle = None
+
+# Blocks alive in this process, by address: a tensor whose storage starts at one of them is
+# already in shared memory and travels as a handle without a copy.
+_blocks = weakref.WeakValueDictionary()
+# The torch storage made over each block, so that tensors received twice from one storage
+# share one torch storage here too (views alias, as with torch's own queues).
+_torch_storages = {}
+
+_NUMPY_NAMES = {
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+}
+_TORCH_NAMES = {
+    "torch.bool": "bool",
+    "torch.uint8": "uint8",
+    "torch.int8": "int8",
+    "torch.int16": "int16",
+    "torch.int32": "int32",
+    "torch.int64": "int64",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float32": "float32",
+    "torch.float64": "float64",
+}
+
+NON_LEAF_REFUSED = (
+    "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+    "does not support crossing process boundaries.  If you just want to transfer the data, "
+    "call detach() on the tensor before serializing (e.g., putting it on the queue)."
+)
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _numpy():
+    return sys.modules.get("numpy")
+
+
+def new_block(nbytes):
+    """A block of ``nbytes`` in shared memory, registered as such."""
+    block = _native.empty_block(nbytes)
+    if nbytes:
+        _blocks[block.address] = block
+    return block
+
+
+def torch_storage(block):
+    """The torch storage over ``block`` (one per block while it lives)."""
+    torch = _torch()
+    ref = _torch_storages.get(block.address)
+    storage = ref() if ref is not None else None
+    if storage is None or storage.data_ptr() != block.address:
+        if block.nbytes == 0:
+            return torch.UntypedStorage(0)
+        storage = torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
+        _remember(block, storage)
+    return storage
+
+
+def _remember(block, storage):
+    address = block.address
+    _torch_storages[address] = weakref.ref(storage, lambda r: _forget(address, r))
+
+
+def _forget(address, ref):
+    if _torch_storages.get(address) is ref:
+        del _torch_storages[address]
+
+
+def _block_of_torch(t):
+    """The block ``t``'s storage lives in, moving the storage there first when it lives
+    elsewhere: in place, as torch's ``share_memory_()`` does, so every tensor viewing that
+    storage follows (or, where torch lacks the means, for ``t`` alone)."""
+    torch = _torch()
+    storage = t.untyped_storage()
+    block = _blocks.get(storage.data_ptr())
+    if block is not None and block.nbytes >= storage.nbytes():
+        return block
+    block = new_block(storage.nbytes())
+    if not storage.nbytes():
+        return block
+    fresh = torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
+    fresh.copy_(storage)
+    if hasattr(storage, "_swap_data_ptr_"):
+        # The storage takes the block's memory (and the reference to the block that keeps
+        # it mapped); `fresh` takes the old memory and frees it when it goes.
+        storage._swap_data_ptr_(fresh)
+        _remember(block, storage)
+    else:  # pragma: no cover - torch before 2.3
+        _remember(block, fresh)
+        with torch.no_grad():
+            t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+    return block
+
+
+def _block_of_array(a):
+    """The block ``a`` views, with ``a``'s offset and strides in elements; or a new block
+    holding a copy of ``a`` (C order)."""
+    np = _numpy()
+    base = a
+    while base is not None and not isinstance(base, _native.Block):
+        base = getattr(base, "base", None)
+    if isinstance(base, _native.Block) and a.size:
+        start = a.__array_interface__["data"][0] - base.address
+        item = a.itemsize
+        if start >= 0 and start % item == 0 and all(s >= 0 and s % item == 0 for s in a.strides):
+            return base, start // item, tuple(s // item for s in a.strides)
+    block = new_block(a.nbytes)
+    if a.nbytes:
+        np.ndarray(a.shape, a.dtype, buffer=block)[...] = a
+    strides = []
+    step = 1
+    for n in reversed(a.shape):
+        strides.append(step)
+        step *= n
+    return block, 0, tuple(reversed(strides))
+
+
+def tensor_parts(obj):
+    """What the native side needs to send ``obj`` as a handle, or None when ``obj`` is no
+    tensor or array it can send that way (it is then pickled by value)."""
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        name = _TORCH_NAMES.get(str(obj.dtype))
+        if name is None or obj.layout != torch.strided or obj.is_sparse:
+            return None
+        if obj.requires_grad and not obj.is_leaf:
+            raise RuntimeError(NON_LEAF_REFUSED)
+        parameter = isinstance(obj, torch.nn.Parameter)
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # a subclass keeps its class by pickling
+        device = obj.device.type
+        if device == "meta":
+            return (False, None, name, tuple(obj.shape), tuple(obj.stride()), 0,
+                    obj.requires_grad, parameter, "meta")
+        if device != "cpu":
+            raise RuntimeError(
+                f"a tensor on {obj.device} cannot be sent by tensorshare's Python package yet; "
+                "move it to the CPU first"
+            )
+        block = _block_of_torch(obj)
+        return (False, block, name, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(),
+                obj.requires_grad, parameter, "cpu")
+    np = _numpy()
+    if np is not None and type(obj) is np.ndarray:
+        name = _NUMPY_NAMES.get(obj.dtype.name)
+        if name is None or not obj.dtype.isnative:
+            return None
+        block, offset, strides = _block_of_array(obj)
+        return (True, block, name, obj.shape, strides, offset, False, False, "cpu")
+    return None
+
+
+def rebuild(array, block, dtype, shape, strides, offset, requires_grad, parameter, device):
+    """A torch tensor or a numpy array over ``block``."""
+    known = _blocks.get(block.address) if block.nbytes else None
+    if known is not None and known.nbytes == block.nbytes:
+        block = known
+    elif block.nbytes:
+        _blocks[block.address] = block
+    if array:
+        np = _numpy()
+        if np is None:
+            import numpy as np
+        dt = np.dtype(dtype)
+        if not shape or 0 not in shape:
+            return np.ndarray(shape, dt, buffer=block, offset=offset * dt.itemsize,
+                              strides=tuple(s * dt.itemsize for s in strides))
+        return np.zeros(shape, dt)
+    torch = _torch()
+    if torch is None:
+        import torch
+    dt = getattr(torch, dtype)
+    if device == "meta":
+        t = torch.empty_strided(shape, strides, dtype=dt, device="meta")
+    else:
+        t = torch.empty(0, dtype=dt)
+        t.set_(torch_storage(block), offset, shape, strides)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
+    """Pickles by value; tensors, arrays and tensorshare queues inside become persistent ids
+    (indices into a list that travels beside the pickle as handles)."""
+
+    def __init__(self, file, inner):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._inner = inner
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _native.Queue) or tensor_parts_cheap(obj):
+            self._inner.append(obj)
+            return len(self._inner) - 1
+        return None
+
+
+def tensor_parts_cheap(obj):
+    """Whether ``obj`` is a tensor or an array that travels as a handle."""
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return (
+            type(obj) in (torch.Tensor, torch.nn.Parameter)
+            and str(obj.dtype) in _TORCH_NAMES
+            and obj.layout == torch.strided
+            and obj.device.type in ("cpu", "meta")
+        )
+    np = _numpy()
+    return np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, inner):
+        super().__init__(file)
+        self._inner = inner
+
+    def persistent_load(self, pid):
+        try:
+            return self._inner[pid]
+        except (IndexError, TypeError):
+            raise pickle.UnpicklingError(f"a pickle named object {pid!r}, which its message lacks") from None
+
+
+def dumps(obj):
+    """``obj`` pickled by value, and the tensors, arrays and queues it holds."""
+    inner = []
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, inner).dump(obj)
+    except Exception as e:
+        raise TypeError(f"cannot send {_describe(obj)}: {type(e).__name__}: {e}") from e
+    return buf.getvalue(), inner
+
+
+def loads(data, inner):
+    return _Unpickler(io.BytesIO(data), inner).load()
+
+
+def _describe(obj):
+    text = repr(obj)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(obj).__qualname__} {text}"

@@ -1,0 +1,148 @@
+"""Contexts whose queues carry tensors as handles into tensorshare arenas and whose
+processes take lambdas and closures."""
+
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.pool
+import os
+import threading
+
+from .. import _native
+from . import _queues
+
+_lock = threading.Lock()
+_contexts = {}
+
+
+def _export_for_child(obj):
+    """``obj`` as bytes and descriptors for the process being started (spawn or
+    forkserver); the descriptors stay open as long as that process's Popen object."""
+    popen = multiprocessing.context.get_spawning_popen()
+    if popen is None:
+        raise RuntimeError(
+            f"{type(obj).__name__} objects of tensorshare travel to other processes as arguments "
+            "of a process being started, or through a tensorshare queue; they cannot be pickled "
+            "otherwise"
+        )
+    data, fds, parcel = _native.export(obj)
+    parcels = popen.__dict__.setdefault("_tensorshare_parcels", [])
+    parcels.append(parcel)
+    return data, [popen.DupFd(popen.duplicate_for_child(fd)) for fd in fds]
+
+
+def _import_from_parent(data, dupfds):
+    fds = [d.detach() for d in dupfds]
+    try:
+        return _native.import_(data, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class _ByValue:
+    """A value that travels to a child being started as a tensorshare message: lambdas and
+    closures by value (cloudpickle), tensors and queues as handles."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return (_rebuild_by_value, _export_for_child(self.value))
+
+
+def _rebuild_by_value(data, dupfds):
+    return _ByValue(_import_from_parent(data, dupfds))
+
+
+class ByValueMixin:
+    """Sends a process's target and arguments to the child by value (a lambda, a closure, a
+    local function), with tensors and queues as handles."""
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        payload = (state.pop("_target", None), state.pop("_args", ()), state.pop("_kwargs", {}))
+        state["_tensorshare_payload"] = _ByValue(payload)
+        return state
+
+    def __setstate__(self, state):
+        payload = state.pop("_tensorshare_payload").value
+        self.__dict__.update(state)
+        self._target, self._args, self._kwargs = payload
+
+
+class ForkProcess(ByValueMixin, multiprocessing.context.ForkProcess):
+    """A process started by fork."""
+
+
+class SpawnProcess(ByValueMixin, multiprocessing.context.SpawnProcess):
+    """A process started by spawn: its target and arguments go by value."""
+
+
+class ForkServerProcess(ByValueMixin, multiprocessing.context.ForkServerProcess):
+    """A process started by the fork server: its target and arguments go by value."""
+
+
+_PROCESSES = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
+
+
+def reduce_native_queue(q):
+    """How a native queue is pickled outside tensorshare's own messages: only as an argument
+    of a process being started."""
+    return (_rebuild_native_queue, _export_for_child(q))
+
+
+def _rebuild_native_queue(data, dupfds):
+    return _import_from_parent(data, dupfds)
+
+
+class TensorshareContext(multiprocessing.context.BaseContext):
+    """A multiprocessing context (``get_context("spawn")`` and the rest) whose ``Queue``,
+    ``SimpleQueue``, ``JoinableQueue`` and ``Pool`` carry torch tensors and numpy arrays as
+    handles into tensorshare arenas, and whose ``Process`` sends lambdas and closures. It is a
+    ``BaseContext``, so ``DataLoader(..., multiprocessing_context=ctx)`` takes it."""
+
+    def __init__(self, method):
+        base = multiprocessing.get_context(method)
+        self._base = base
+        self._name = base._name
+        self._actual_context = self
+        self.Process = _PROCESSES[self._name]
+
+    def get_context(self, method=None):
+        if method is None:
+            return self
+        return get_context(method)
+
+    def get_start_method(self, allow_none=False):
+        return self._name
+
+    def set_start_method(self, method, force=False):
+        raise ValueError("cannot set the start method of a concrete context")
+
+    def Queue(self, maxsize=0):
+        return _queues.Queue(maxsize, ctx=self)
+
+    def SimpleQueue(self):
+        return _queues.SimpleQueue(ctx=self)
+
+    def JoinableQueue(self, maxsize=0):
+        return _queues.JoinableQueue(maxsize, ctx=self)
+
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild, context=self)
+
+    def __repr__(self):
+        return f"<tensorshare context {self._name!r}>"
+
+
+def get_context(method=None):
+    """The tensorshare context of start method ``method`` (``None``: the current default)."""
+    if method is None:
+        method = multiprocessing.get_start_method()
+    with _lock:
+        ctx = _contexts.get(method)
+        if ctx is None:
+            ctx = _contexts[method] = TensorshareContext(method)
+        return ctx

@@ -1,0 +1,180 @@
+"""Queues with the faces of ``multiprocessing``'s, over one tensorshare queue each."""
+
+import threading
+
+from .. import _native
+
+
+class _Reader:
+    """The end multiprocessing's Pool reads (``_reader.recv``, ``poll``, ``fileno``)."""
+
+    def __init__(self, q):
+        self._q = q
+
+    def recv(self):
+        return self._q.get()
+
+    def poll(self, timeout=0.0):
+        return self._q.poll(timeout)
+
+    def fileno(self):
+        return self._q.fileno()
+
+    def close(self):
+        pass
+
+
+class _Writer:
+    """The end multiprocessing's Pool writes (``_writer.send``)."""
+
+    def __init__(self, q):
+        self._q = q
+
+    def send(self, obj):
+        self._q.put(obj)
+
+    def close(self):
+        pass
+
+
+class SimpleQueue:
+    """``multiprocessing.SimpleQueue``: ``put`` never waits; tensors travel as handles."""
+
+    def __init__(self, *, ctx=None, _q=None):
+        self._q = _q if _q is not None else _native.Queue(simple=True)
+        self._ctx = ctx
+        self._setup()
+
+    def _setup(self):
+        self._reader = _Reader(self._q)
+        self._writer = _Writer(self._q)
+        self._rlock = threading.Lock()
+        self._closed = False
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._q))
+
+    def put(self, obj):
+        self._q.put(obj)
+
+    def get(self):
+        return self._q.get()
+
+    def empty(self):
+        return self._q.empty()
+
+    def close(self):
+        self._closed = True
+
+    def __repr__(self):
+        return f"<tensorshare SimpleQueue at fd {self._q.fileno()}>"
+
+
+def _rebuild(cls, q):
+    obj = cls.__new__(cls)
+    obj._q = q
+    obj._ctx = None
+    obj._setup()
+    return obj
+
+
+class Queue:
+    """``multiprocessing.Queue``: unbounded unless ``maxsize > 0``; tensors travel as
+    handles. ``put`` hands the value to the queue before it returns (no feeder thread), so a
+    sender may exit right after, and ``qsize`` is not offered (as on macOS)."""
+
+    def __init__(self, maxsize=0, *, ctx=None, _q=None):
+        self._q = _q if _q is not None else _native.Queue(maxsize)
+        self._maxsize = maxsize
+        self._ctx = ctx
+        self._setup()
+
+    def _setup(self):
+        self._reader = _Reader(self._q)
+        self._writer = _Writer(self._q)
+        self._rlock = threading.Lock()
+        self._closed = False
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._q))
+
+    def put(self, obj, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        self._q.put(obj, block, timeout)
+
+    def get(self, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        return self._q.get(block, timeout)
+
+    def put_nowait(self, obj):
+        return self.put(obj, False)
+
+    def get_nowait(self):
+        return self.get(False)
+
+    def empty(self):
+        return self._q.empty()
+
+    def full(self):
+        return False
+
+    def qsize(self):
+        raise NotImplementedError("a tensorshare queue does not count its values")
+
+    def close(self):
+        self._closed = True
+
+    def join_thread(self):
+        pass
+
+    def cancel_join_thread(self):
+        pass
+
+    def __repr__(self):
+        return f"<tensorshare Queue at fd {self._q.fileno()}>"
+
+
+class JoinableQueue(Queue):
+    """``multiprocessing.JoinableQueue``: ``task_done`` and ``join`` on top of ``Queue``."""
+
+    def __init__(self, maxsize=0, *, ctx):
+        super().__init__(maxsize, ctx=ctx)
+        self._unfinished_tasks = ctx.Semaphore(0)
+        self._cond = ctx.Condition()
+
+    def __reduce__(self):
+        return (_rebuild_joinable, (self._q, self._unfinished_tasks, self._cond))
+
+    def put(self, obj, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        with self._cond:
+            self._q.put(obj, block, timeout)
+            self._unfinished_tasks.release()
+
+    def task_done(self):
+        with self._cond:
+            if not self._unfinished_tasks.acquire(False):
+                raise ValueError("task_done() called too many times")
+            if self._unfinished_tasks._semlock._is_zero():
+                self._cond.notify_all()
+
+    def join(self):
+        with self._cond:
+            if not self._unfinished_tasks._semlock._is_zero():
+                self._cond.wait()
+
+
+def _rebuild_joinable(q, unfinished, cond):
+    obj = JoinableQueue.__new__(JoinableQueue)
+    obj._q = q
+    obj._ctx = None
+    obj._maxsize = 0
+    obj._unfinished_tasks = unfinished
+    obj._cond = cond
+    obj._setup()
+    return obj
+
+

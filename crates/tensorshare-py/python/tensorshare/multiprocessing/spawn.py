@@ -1,0 +1,168 @@
+"""``spawn``, ``start_processes`` and ``ProcessContext``, as ``torch.multiprocessing``'s,
+over tensorshare contexts: ``fn`` may be a lambda or a closure."""
+
+import multiprocessing
+import multiprocessing.connection
+import signal
+import sys
+import time
+import traceback
+import warnings
+
+from ._context import get_context
+
+__all__ = [
+    "ProcessContext",
+    "ProcessException",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "SpawnContext",
+    "spawn",
+    "start_processes",
+]
+
+
+class ProcessException(Exception):
+    __slots__ = ["error_index", "error_pid"]
+
+    def __init__(self, msg: str, error_index: int, pid: int):
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.pid = pid
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """A process raised an exception; the message holds the child's traceback."""
+
+
+class ProcessExitedException(ProcessException):
+    """A process exited with a non-zero code or was killed by a signal."""
+
+    __slots__ = ["exit_code"]
+
+    def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int, signal_name=None):
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
+
+
+def _wrap(fn, i, args, error_queue):
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        error_queue.put(traceback.format_exc())
+        sys.exit(1)
+
+
+class ProcessContext:
+    """The processes ``start_processes`` started; ``join`` waits for them and raises the
+    first failure (after ending the others)."""
+
+    def __init__(self, processes, error_queues):
+        self.error_queues = error_queues
+        self.processes = processes
+        self.sentinels = {process.sentinel: index for index, process in enumerate(processes)}
+
+    def pids(self):
+        return [int(process.pid) for process in self.processes]
+
+    def _join_procs_with_timeout(self, timeout: float):
+        end = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, end - time.monotonic()))
+
+    def join(self, timeout=None, grace_period=None):
+        """Whether every process has ended (True) or not yet (False, after ``timeout``); a
+        failed process raises ``ProcessRaisedException`` or ``ProcessExitedException``."""
+        if len(self.sentinels) == 0:
+            return True
+        ready = multiprocessing.connection.wait(self.sentinels.keys(), timeout=timeout)
+        error_index = None
+        for sentinel in ready:
+            index = self.sentinels.pop(sentinel)
+            process = self.processes[index]
+            process.join()
+            if process.exitcode != 0:
+                error_index = index
+                break
+        if error_index is None:
+            return len(self.sentinels) == 0
+        # End the others: SIGTERM, a grace period, then SIGKILL.
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        if grace_period is not None:
+            self._join_procs_with_timeout(grace_period)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        failed = self.processes[error_index]
+        exitcode = failed.exitcode
+        if self.error_queues[error_index].empty():
+            if exitcode < 0:
+                name = signal.Signals(-exitcode).name
+                raise ProcessExitedException(
+                    f"process {error_index} terminated with signal {name}",
+                    error_index=error_index,
+                    error_pid=failed.pid,
+                    exit_code=exitcode,
+                    signal_name=name,
+                )
+            raise ProcessExitedException(
+                f"process {error_index} terminated with exit code {exitcode}",
+                error_index=error_index,
+                error_pid=failed.pid,
+                exit_code=exitcode,
+            )
+        original_trace = self.error_queues[error_index].get()
+        msg = f"\n\n-- Process {error_index} terminated with the following error:\n" + original_trace
+        raise ProcessRaisedException(msg, error_index, failed.pid)
+
+
+class SpawnContext(ProcessContext):
+    def __init__(self, processes, error_queues):
+        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.")
+        super().__init__(processes, error_queues)
+
+
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """Runs ``fn(i, *args)`` for ``i`` in ``range(nprocs)``, each in a process started by
+    ``start_method``; ``fn`` may be a lambda or a closure."""
+    ctx = get_context(start_method)
+    error_queues = []
+    processes = []
+    for i in range(nprocs):
+        error_queue = ctx.SimpleQueue()
+        process = ctx.Process(target=_wrap, args=(fn, i, args, error_queue), daemon=daemon)
+        process.start()
+        error_queues.append(error_queue)
+        processes.append(process)
+    context = ProcessContext(processes, error_queues)
+    if not join:
+        return context
+    while not context.join():
+        pass
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """``start_processes`` with the ``spawn`` start method (another one warns, as torch's)."""
+    if start_method != "spawn":
+        msg = (
+            f"This method only supports start_method=spawn (got: {start_method}).\n"
+            "To use a different start_method use:\n\t\t"
+            " tensorshare.multiprocessing.start_processes(...)"
+        )
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")
+
+

@@ -1,0 +1,219 @@
+//! Python values into [`Value`]s and back, in Rust: containers and scalars directly, tensors
+//! and arrays as handles to their blocks, anything else pickled by value (with the tensors
+//! inside it still as handles), through `tensorshare._reduction`.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use tensorshare::{DType, Device, Message, Tensor, TensorKind, Value};
+
+use crate::queue::PyQueue;
+use crate::{to_py, Block};
+
+/// Why a value could not be turned into a `Value` directly.
+pub(crate) enum Refused {
+    /// Nested deeper than [`tensorshare::value::MAX_DEPTH`] (or it contains itself): the
+    /// caller pickles the whole value instead, as pickle handles cycles.
+    TooDeep,
+    /// A Python error (a tensor refused, a helper failed).
+    Err(PyErr),
+}
+
+impl From<PyErr> for Refused {
+    fn from(e: PyErr) -> Refused {
+        Refused::Err(e)
+    }
+}
+
+fn helpers(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+    py.import("tensorshare._reduction")
+}
+
+/// `obj` as a value; a value nested too deeply (or cyclic) is pickled whole.
+pub(crate) fn to_value(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    match value_of(py, obj, 0) {
+        Ok(v) => Ok(v),
+        Err(Refused::TooDeep) => pickled(py, obj),
+        Err(Refused::Err(e)) => Err(e),
+    }
+}
+
+fn pickled(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    let (pickle, inner): (Vec<u8>, Vec<Bound<'_, PyAny>>) =
+        helpers(py)?.call_method1("dumps", (obj,))?.extract()?;
+    let mut tensors = Vec::with_capacity(inner.len());
+    for t in &inner {
+        tensors.push(match value_of(py, t, tensorshare::value::MAX_DEPTH - 1) {
+            Ok(v) => v,
+            Err(Refused::Err(e)) => return Err(e),
+            Err(Refused::TooDeep) => {
+                return Err(PyValueError::new_err("a pickled object named a value that is not a tensor"))
+            }
+        });
+    }
+    Ok(Value::Object { pickle, tensors })
+}
+
+fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, Refused> {
+    if depth >= tensorshare::value::MAX_DEPTH {
+        return Err(Refused::TooDeep);
+    }
+    if obj.is_none() {
+        return Ok(Value::None);
+    }
+    if obj.is_exact_instance_of::<PyBool>() {
+        return Ok(Value::Bool(obj.extract()?));
+    }
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(i) = obj.extract::<i64>() {
+            return Ok(Value::Int(i));
+        }
+        return Ok(pickled(py, obj)?);
+    }
+    if obj.is_exact_instance_of::<PyFloat>() {
+        return Ok(Value::Float(obj.extract()?));
+    }
+    if obj.is_exact_instance_of::<PyString>() {
+        return Ok(Value::Str(obj.extract()?));
+    }
+    if obj.is_exact_instance_of::<PyBytes>() {
+        return Ok(Value::Bytes(obj.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes().to_vec()));
+    }
+    if obj.is_exact_instance_of::<PyList>() {
+        let list = obj.cast::<PyList>().map_err(PyErr::from)?;
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(value_of(py, &item, depth + 1)?);
+        }
+        return Ok(Value::List(out));
+    }
+    if obj.is_exact_instance_of::<PyTuple>() {
+        let tuple = obj.cast::<PyTuple>().map_err(PyErr::from)?;
+        let mut out = Vec::with_capacity(tuple.len());
+        for item in tuple.iter() {
+            out.push(value_of(py, &item, depth + 1)?);
+        }
+        return Ok(Value::Tuple(out));
+    }
+    if obj.is_exact_instance_of::<PyDict>() {
+        let dict = obj.cast::<PyDict>().map_err(PyErr::from)?;
+        let mut out = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            out.push((value_of(py, &k, depth + 1)?, value_of(py, &v, depth + 1)?));
+        }
+        return Ok(Value::Dict(out));
+    }
+    if let Ok(q) = obj.cast::<PyQueue>() {
+        return Ok(q.get().value());
+    }
+    let parts = helpers(py)?.call_method1("tensor_parts", (obj,))?;
+    if !parts.is_none() {
+        return Ok(tensor_from_parts(&parts)?);
+    }
+    Ok(pickled(py, obj)?)
+}
+
+/// A tensor from what `_reduction.tensor_parts` says of a torch tensor or a numpy array.
+fn tensor_from_parts(parts: &Bound<'_, PyAny>) -> PyResult<Value> {
+    #[allow(clippy::type_complexity)]
+    let (array, block, dtype, shape, strides, offset, requires_grad, parameter, device): (
+        bool,
+        Option<Bound<'_, Block>>,
+        String,
+        Vec<usize>,
+        Vec<usize>,
+        usize,
+        bool,
+        bool,
+        String,
+    ) = parts.extract()?;
+    let dtype: DType = dtype.parse().map_err(to_py)?;
+    let mut t = match (device.as_str(), block) {
+        ("meta", _) => Tensor::try_meta(&shape, dtype).map_err(to_py)?,
+        ("cpu", Some(block)) => {
+            Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset)
+                .map_err(to_py)?
+        }
+        (other, _) => {
+            return Err(PyValueError::new_err(format!("a tensor on device {other:?} cannot be sent")))
+        }
+    };
+    t.set_requires_grad(requires_grad).map_err(to_py)?;
+    if parameter {
+        t.set_kind(TensorKind::Parameter);
+    }
+    Ok(if array { Value::Array(t) } else { Value::Tensor(t) })
+}
+
+/// `value` as a Python object.
+pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
+    Ok(match value {
+        Value::None => py.None(),
+        Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+        Value::Float(f) => f.into_pyobject(py)?.into_any().unbind(),
+        Value::Str(s) => PyString::new(py, &s).into_any().unbind(),
+        Value::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
+        Value::List(items) => {
+            let list = PyList::empty(py);
+            for v in items {
+                list.append(from_value(py, v)?)?;
+            }
+            list.into_any().unbind()
+        }
+        Value::Tuple(items) => {
+            let items = items.into_iter().map(|v| from_value(py, v)).collect::<PyResult<Vec<_>>>()?;
+            PyTuple::new(py, items)?.into_any().unbind()
+        }
+        Value::Dict(items) => {
+            let dict = PyDict::new(py);
+            for (k, v) in items {
+                dict.set_item(from_value(py, k)?, from_value(py, v)?)?;
+            }
+            dict.into_any().unbind()
+        }
+        Value::Tensor(t) => rebuild(py, t, false)?,
+        Value::Array(t) => rebuild(py, t, true)?,
+        Value::Queue(q) => Py::new(py, PyQueue::from_queue(q))?.into_any(),
+        Value::SimpleQueue(q) => Py::new(py, PyQueue::from_simple(q))?.into_any(),
+        Value::Object { pickle, tensors } => {
+            let inner = tensors.into_iter().map(|v| from_value(py, v)).collect::<PyResult<Vec<_>>>()?;
+            helpers(py)?.call_method1("loads", (PyBytes::new(py, &pickle), inner))?.unbind()
+        }
+    })
+}
+
+fn rebuild(py: Python<'_>, t: Tensor, array: bool) -> PyResult<Py<PyAny>> {
+    let device = match t.device() {
+        Device::Cpu => "cpu",
+        Device::Meta => "meta",
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "a tensor on {other:?} reached Python, which takes CPU and meta tensors"
+            )))
+        }
+    };
+    let block = Block { storage: t.storage().clone() };
+    let args = (
+        array,
+        block,
+        t.dtype().to_string(),
+        PyTuple::new(py, t.shape())?,
+        PyTuple::new(py, t.strides())?,
+        t.storage_offset(),
+        t.requires_grad(),
+        t.kind() == TensorKind::Parameter,
+        device,
+    );
+    Ok(helpers(py)?.call_method1("rebuild", args)?.unbind())
+}
+
+/// `obj` through the whole wire and back, as a receiver in another process would see it
+/// (for tests and for checking what a value becomes).
+#[pyfunction]
+pub(crate) fn roundtrip(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let value = to_value(py, obj)?;
+    let value: Value =
+        py.detach(move || Message::encode(&value).and_then(Message::decode::<Value>)).map_err(to_py)?;
+    from_value(py, value)
+}

@@ -1,0 +1,147 @@
+//! `tensorshare._native`: the Rust half of the Python package.
+//!
+//! - [`Block`]: a block of a tensorshare arena, exposed through the buffer protocol, so that
+//!   torch (`torch.frombuffer`) and numpy (`numpy.ndarray(buffer=...)`) map it without a
+//!   copy; the block's hold is released when the last Python object viewing it is freed.
+//! - [`PyQueue`]: a tensorshare queue of [`Value`]s; Python values are turned into values
+//!   here, in Rust (`convert`), with tensors and arrays as handles to their blocks.
+//!
+//! The pure-Python part (`python/tensorshare`) builds on these.
+
+use std::os::raw::c_int;
+
+use pyo3::exceptions::{PyEOFError, PyMemoryError, PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::{create_exception, ffi};
+use tensorshare::{Error, Storage};
+
+mod convert;
+mod queue;
+
+create_exception!(
+    _native,
+    TensorshareError,
+    PyRuntimeError,
+    "An error of tensorshare (its message says what and why)."
+);
+create_exception!(
+    _native,
+    InvalidMessage,
+    PyValueError,
+    "A message from another process was malformed; what it carried was given back."
+);
+
+/// A tensorshare error as the Python exception a Python user expects.
+pub(crate) fn to_py(e: Error) -> PyErr {
+    let text = e.to_string();
+    match e {
+        Error::Disconnected => PyEOFError::new_err(text),
+        Error::InvalidMessage(_) => InvalidMessage::new_err(text),
+        Error::OutOfSharedMemory { .. } | Error::AllocationFailed { .. } => PyMemoryError::new_err(text),
+        Error::Io { .. } => PyOSError::new_err(text),
+        _ => TensorshareError::new_err(text),
+    }
+}
+
+/// A block of shared memory in a tensorshare arena (or a private one, for an empty block).
+/// Its buffer is writable and lives as long as this object.
+#[pyclass(module = "tensorshare._native", frozen, weakref)]
+pub struct Block {
+    pub(crate) storage: Storage,
+}
+
+#[pymethods]
+impl Block {
+    /// Its size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// The address of its first byte in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.storage.data_ptr()
+    }
+
+    /// Whether it lives in shared memory (an empty block does not need to).
+    #[getter]
+    fn is_shared(&self) -> bool {
+        self.storage.is_shared()
+    }
+
+    fn __len__(&self) -> usize {
+        self.storage.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Block({} bytes at {:#x})", self.storage.len(), self.storage.data_ptr())
+    }
+
+    /// # Safety
+    /// Called by CPython with a `Py_buffer` to fill, as the buffer protocol prescribes.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let storage = &slf.get().storage;
+        let len = isize::try_from(storage.len()).map_err(|_| PyValueError::new_err("block too large"))?;
+        // SAFETY: `view` is the Py_buffer CPython passed in; the memory is `len` bytes the
+        // storage keeps mapped for as long as the storage lives, and PyBuffer_FillInfo stores a
+        // new reference to this object in `view.obj`, so the Block, and with it the storage
+        // and its mapping, outlive every user of the view. The memory is shared with other
+        // processes: Python sees it as plain writable bytes, and no Rust reference to it is
+        // created here.
+        let rc =
+            unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), storage.as_mut_ptr().cast(), len, 0, flags) };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython when a view made by `__getbuffer__` is released.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// A new block of `nbytes` in shared memory: a slot of an arena of the current sharing
+/// strategy. `MemoryError` when the system has no room (never a bus error later).
+#[pyfunction]
+fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
+    let storage = py.detach(|| if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) });
+    Ok(Block { storage: storage.map_err(to_py)? })
+}
+
+/// The current sharing strategy, by torch's name.
+#[pyfunction]
+fn get_sharing_strategy() -> String {
+    tensorshare::get_sharing_strategy().to_string()
+}
+
+/// Sets the sharing strategy by torch's name (`file_descriptor`, `file_system`).
+#[pyfunction]
+fn set_sharing_strategy(name: &str) -> PyResult<()> {
+    let s = name.parse().map_err(to_py)?;
+    tensorshare::set_sharing_strategy(s).map_err(to_py)
+}
+
+/// The strategies this platform offers, by torch's names.
+#[pyfunction]
+fn get_all_sharing_strategies() -> Vec<String> {
+    tensorshare::get_all_sharing_strategies().iter().map(ToString::to_string).collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Block>()?;
+    m.add_class::<queue::PyQueue>()?;
+    m.add_function(wrap_pyfunction!(empty_block, m)?)?;
+    m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;
+    m.add_function(wrap_pyfunction!(convert::roundtrip, m)?)?;
+    m.add_function(wrap_pyfunction!(queue::export, m)?)?;
+    m.add_function(wrap_pyfunction!(queue::import, m)?)?;
+    m.add_class::<queue::Parcel>()?;
+    m.add("TensorshareError", m.py().get_type::<TensorshareError>())?;
+    m.add("InvalidMessage", m.py().get_type::<InvalidMessage>())?;
+    Ok(())
+}

@@ -1,0 +1,281 @@
+//! [`PyQueue`]: a tensorshare queue of [`Value`]s, with the Python face of
+//! `multiprocessing.Queue` (`put`/`get` with `block` and `timeout`, `queue.Empty` and
+//! `queue.Full`) and what multiprocessing's Pool needs of a queue (`poll`, `fileno`).
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tensorshare::{Error, Message, Queue, SimpleQueue, Value};
+
+use crate::convert::{from_value, to_value};
+use crate::to_py;
+
+/// How long one wait lasts before Python gets to run its signal handlers (Ctrl-C).
+const SLICE: Duration = Duration::from_millis(100);
+
+#[derive(Clone)]
+enum Inner {
+    Queue(Queue<Value>),
+    Simple(SimpleQueue<Value>),
+}
+
+/// A queue between processes, Python or Rust, whose values are Python values.
+#[pyclass(name = "Queue", module = "tensorshare._native", frozen)]
+pub struct PyQueue {
+    inner: Inner,
+    /// Values `poll` took off the queue, which this process's next `get`s return first.
+    stash: Mutex<VecDeque<Value>>,
+}
+
+/// Descriptors kept open until a child process has its copies (see [`export`]).
+#[pyclass(module = "tensorshare._native", frozen)]
+pub struct Parcel {
+    #[allow(dead_code)] // held for its descriptors' lifetime
+    fds: Vec<OwnedFd>,
+}
+
+/// `obj` as bytes and descriptors, for a child process that gets the descriptors some
+/// other way (multiprocessing's `pass_fds` or fork server): `(bytes, fds, parcel)`; the
+/// descriptors stay open as long as `parcel` lives. What the value names in shared memory
+/// is held by the descriptors, so the sender may exit once the child has them.
+#[pyfunction]
+pub(crate) fn export<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<i32>, Parcel)> {
+    let value = to_value(py, obj)?;
+    let (bytes, fds) = py.detach(move || Message::encode(&value)).map_err(to_py)?.into_parts();
+    let raw = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    Ok((PyBytes::new(py, &bytes), raw, Parcel { fds }))
+}
+
+/// The value [`export`] described, from its bytes and descriptors (duplicated here: the
+/// caller still owns, and closes, its own).
+#[pyfunction]
+#[pyo3(name = "import_")]
+pub(crate) fn import(py: Python<'_>, bytes: &[u8], fds: Vec<i32>) -> PyResult<Py<PyAny>> {
+    let mut owned = Vec::with_capacity(fds.len());
+    for fd in fds {
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) only reads the descriptor table; on an fd that is
+        // not open it fails with EBADF, handled below.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(PyOSError::new_err(format!(
+                "descriptor {fd} of a value sent to this process: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: `dup` was just made by fcntl above and nothing else refers to it.
+        owned.push(unsafe { OwnedFd::from_raw_fd(dup) });
+    }
+    let message = Message::from_parts(bytes.to_vec(), owned);
+    let value = py.detach(move || message.decode::<Value>()).map_err(to_py)?;
+    from_value(py, value)
+}
+
+fn deadline_error(py: Python<'_>, class: &str) -> PyErr {
+    match py.import("queue").and_then(|m| m.getattr(class)) {
+        Ok(cls) => PyErr::from_type(cls.cast_into().expect("queue.Empty and queue.Full are classes"), ()),
+        Err(e) => e,
+    }
+}
+
+impl PyQueue {
+    pub(crate) fn from_queue(q: Queue<Value>) -> PyQueue {
+        PyQueue { inner: Inner::Queue(q), stash: Mutex::default() }
+    }
+
+    pub(crate) fn from_simple(q: SimpleQueue<Value>) -> PyQueue {
+        PyQueue { inner: Inner::Simple(q), stash: Mutex::default() }
+    }
+
+    /// This queue as a value (a handle to the same queue).
+    pub(crate) fn value(&self) -> Value {
+        match &self.inner {
+            Inner::Queue(q) => Value::Queue(q.clone()),
+            Inner::Simple(q) => Value::SimpleQueue(q.clone()),
+        }
+    }
+
+    fn stashed(&self) -> Option<Value> {
+        self.stash.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
+    }
+
+    fn get_timeout(&self, t: Duration) -> tensorshare::Result<Value> {
+        match &self.inner {
+            Inner::Queue(q) => q.get_timeout(t),
+            Inner::Simple(q) => q.get_timeout(t),
+        }
+    }
+
+    fn try_get(&self) -> tensorshare::Result<Option<Value>> {
+        match &self.inner {
+            Inner::Queue(q) => q.try_get(),
+            Inner::Simple(q) => q.try_get(),
+        }
+    }
+
+    /// The next value, waiting until `deadline` (`None`: as long as it takes), in slices
+    /// between which Python may raise `KeyboardInterrupt`. `Ok(None)` at the deadline.
+    fn wait(&self, py: Python<'_>, deadline: Option<Instant>) -> PyResult<Option<Value>> {
+        if let Some(v) = self.stashed() {
+            return Ok(Some(v));
+        }
+        loop {
+            let slice = match deadline {
+                None => SLICE,
+                Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+            };
+            let got =
+                py.detach(
+                    || if slice.is_zero() { self.try_get() } else { self.get_timeout(slice).map(Some) },
+                );
+            match got {
+                Ok(Some(v)) => return Ok(Some(v)),
+                Ok(None) => return Ok(None),
+                Err(Error::Timeout) if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
+                Err(Error::Timeout) => py.check_signals()?,
+                // No other handle can put now; but this process may still put (Python's
+                // queues are both ends, and threads share them), so wait as Python's own
+                // queues do: until something arrives or the deadline.
+                Err(Error::Disconnected) => {
+                    if slice.is_zero() || deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                    let fd = self.fileno();
+                    py.detach(|| wait_readable(fd, slice));
+                    py.check_signals()?;
+                }
+                Err(e) => return Err(to_py(e)),
+            }
+        }
+    }
+}
+
+/// Waits until `fd` is readable or `timeout` passes.
+fn wait_readable(fd: i32, timeout: Duration) {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+    // SAFETY: `pfd` is a valid pollfd for the duration of the call, and the count is 1.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
+}
+
+fn deadline_of(block: bool, timeout: Option<f64>) -> PyResult<Option<Instant>> {
+    if !block {
+        return Ok(Some(Instant::now()));
+    }
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => {
+            Ok(Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))))
+        }
+        Some(t) => Err(PyValueError::new_err(format!("'timeout' must be a non-negative number, got {t}"))),
+    }
+}
+
+#[pymethods]
+impl PyQueue {
+    /// A new queue: bounded to `maxsize` values when `maxsize > 0`; `simple` makes a
+    /// `SimpleQueue` (unbounded, `put` never waits).
+    #[new]
+    #[pyo3(signature = (maxsize = 0, simple = false))]
+    fn new(maxsize: i64, simple: bool) -> PyResult<PyQueue> {
+        let inner = if simple {
+            Inner::Simple(SimpleQueue::new().map_err(to_py)?)
+        } else if maxsize <= 0 {
+            Inner::Queue(Queue::new().map_err(to_py)?)
+        } else {
+            let cap = usize::try_from(maxsize).map_err(|_| PyValueError::new_err("maxsize too large"))?;
+            Inner::Queue(Queue::with_capacity(cap).map_err(to_py)?)
+        };
+        Ok(PyQueue { inner, stash: Mutex::default() })
+    }
+
+    /// Puts `obj`: tensors and arrays travel as handles to shared memory (a tensor not yet in
+    /// shared memory is moved there first, in place). A bounded queue that stays full
+    /// until the deadline raises `queue.Full`.
+    #[pyo3(signature = (obj, block = true, timeout = None))]
+    fn put(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, block: bool, timeout: Option<f64>) -> PyResult<()> {
+        let value = to_value(py, obj)?;
+        let deadline = deadline_of(block, timeout)?;
+        let sent = py.detach(move || match &self.inner {
+            Inner::Simple(q) => q.put(value).map_err(|e| e.into_parts().1),
+            Inner::Queue(q) => match deadline {
+                None => q.put(value).map_err(|e| e.into_parts().1),
+                Some(d) => q
+                    .put_timeout(value, d.saturating_duration_since(Instant::now()))
+                    .map_err(|e| e.into_parts().1),
+            },
+        });
+        match sent {
+            Ok(()) => Ok(()),
+            Err(Error::Timeout) => Err(deadline_error(py, "Full")),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+
+    /// Takes the next value; `queue.Empty` when none comes before the deadline, `EOFError`
+    /// when none can come any more (no handle to the queue is left anywhere else).
+    #[pyo3(signature = (block = true, timeout = None))]
+    fn get(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        match self.wait(py, deadline_of(block, timeout)?)? {
+            Some(v) => from_value(py, v),
+            None => Err(deadline_error(py, "Empty")),
+        }
+    }
+
+    /// Whether a value is ready, waiting up to `timeout` seconds (`None`: until one is). The
+    /// value stays first in line for this process's next `get`.
+    #[pyo3(signature = (timeout = 0.0))]
+    fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        if !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return Ok(true);
+        }
+        match self.wait(py, deadline_of(true, timeout)?)? {
+            Some(v) => {
+                self.stash.lock().unwrap_or_else(|p| p.into_inner()).push_back(v);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Whether no value is ready now.
+    fn empty(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(!self.poll(py, Some(0.0))?)
+    }
+
+    /// A descriptor that becomes readable when a value may be waiting (for
+    /// `multiprocessing.connection.wait`).
+    fn fileno(&self) -> i32 {
+        match &self.inner {
+            Inner::Queue(q) => q.poll_fd().as_raw_fd(),
+            Inner::Simple(q) => q.poll_fd().as_raw_fd(),
+        }
+    }
+
+    /// Whether this is a `SimpleQueue`.
+    #[getter]
+    fn simple(&self) -> bool {
+        matches!(self.inner, Inner::Simple(_))
+    }
+
+    /// Pickled only as an argument of a process being started (its descriptors then go to
+    /// the child with it); inside tensorshare's own messages a queue travels as a handle.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.py().import("tensorshare.multiprocessing._context")?.call_method1("reduce_native_queue", (slf,))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<tensorshare {} at fd {}>",
+            if self.simple() { "SimpleQueue" } else { "Queue" },
+            self.fileno()
+        )
+    }
+}
