@@ -201,21 +201,37 @@ impl PyQueue {
     /// until the deadline raises `queue.Full`.
     #[pyo3(signature = (obj, block = true, timeout = None))]
     fn put(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, block: bool, timeout: Option<f64>) -> PyResult<()> {
-        let value = to_value(py, obj)?;
+        let mut value = to_value(py, obj)?;
         let deadline = deadline_of(block, timeout)?;
-        let sent = py.detach(move || match &self.inner {
-            Inner::Simple(q) => q.put(value).map_err(|e| e.into_parts().1),
-            Inner::Queue(q) => match deadline {
-                None => q.put(value).map_err(|e| e.into_parts().1),
-                Some(d) => q
-                    .put_timeout(value, d.saturating_duration_since(Instant::now()))
-                    .map_err(|e| e.into_parts().1),
-            },
-        });
-        match sent {
-            Ok(()) => Ok(()),
-            Err(Error::Timeout) => Err(deadline_error(py, "Full")),
-            Err(e) => Err(to_py(e)),
+        let q = match &self.inner {
+            Inner::Simple(q) => return py.detach(move || q.put(value)).map_err(|e| to_py(e.into_parts().1)),
+            Inner::Queue(q) => q,
+        };
+        loop {
+            let slice = match deadline {
+                None => SLICE,
+                Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+            };
+            let sent =
+                py.detach(
+                    move || if slice.is_zero() { q.try_put(value) } else { q.put_timeout(value, slice) },
+                );
+            let (back, e) = match sent {
+                Ok(()) => return Ok(()),
+                Err(e) => e.into_parts(),
+            };
+            let past = deadline.is_some_and(|d| Instant::now() >= d);
+            match e {
+                Error::Timeout if past => return Err(deadline_error(py, "Full")),
+                Error::Timeout => {}
+                // Full, and no other handle can take: only this process can make room (a
+                // thread of it may get), and nothing signals that, so look again shortly.
+                Error::Disconnected if past || slice.is_zero() => return Err(deadline_error(py, "Full")),
+                Error::Disconnected => py.detach(|| std::thread::sleep(slice.min(Duration::from_millis(10)))),
+                e => return Err(to_py(e)),
+            }
+            py.check_signals()?;
+            value = back;
         }
     }
 

@@ -12,7 +12,6 @@ module has the pieces under it:
 Queues carry values to Rust processes too: see ``tensorshare::Value`` in the Rust crate.
 """
 
-from . import _native
 from ._native import (
     Block,
     InvalidMessage,

@@ -6,6 +6,7 @@ cross-language ``Value`` and back; not a public interface.
 
 import io
 import pickle
+import reprlib
 import sys
 import weakref
 
@@ -157,16 +158,34 @@ def tensor_parts(obj):
             return None  # a subclass keeps its class by pickling
         device = obj.device.type
         if device == "meta":
-            return (False, None, name, tuple(obj.shape), tuple(obj.stride()), 0,
-                    obj.requires_grad, parameter, "meta")
+            return (
+                False,
+                None,
+                name,
+                tuple(obj.shape),
+                tuple(obj.stride()),
+                0,
+                obj.requires_grad,
+                parameter,
+                "meta",
+            )
         if device != "cpu":
             raise RuntimeError(
                 f"a tensor on {obj.device} cannot be sent by tensorshare's Python package yet; "
                 "move it to the CPU first"
             )
         block = _block_of_torch(obj)
-        return (False, block, name, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(),
-                obj.requires_grad, parameter, "cpu")
+        return (
+            False,
+            block,
+            name,
+            tuple(obj.shape),
+            tuple(obj.stride()),
+            obj.storage_offset(),
+            obj.requires_grad,
+            parameter,
+            "cpu",
+        )
     np = _numpy()
     if np is not None and type(obj) is np.ndarray:
         name = _NUMPY_NAMES.get(obj.dtype.name)
@@ -190,8 +209,13 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
             import numpy as np
         dt = np.dtype(dtype)
         if not shape or 0 not in shape:
-            return np.ndarray(shape, dt, buffer=block, offset=offset * dt.itemsize,
-                              strides=tuple(s * dt.itemsize for s in strides))
+            return np.ndarray(
+                shape,
+                dt,
+                buffer=block,
+                offset=offset * dt.itemsize,
+                strides=tuple(s * dt.itemsize for s in strides),
+            )
         return np.zeros(shape, dt)
     torch = _torch()
     if torch is None:
@@ -235,7 +259,9 @@ def tensor_parts_cheap(obj):
             and obj.device.type in ("cpu", "meta")
         )
     np = _numpy()
-    return np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
+    return (
+        np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
+    )
 
 
 class _Unpickler(pickle.Unpickler):
@@ -266,7 +292,4 @@ def loads(data, inner):
 
 
 def _describe(obj):
-    text = repr(obj)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{type(obj).__qualname__} {text}"
+    return f"{type(obj).__qualname__} {reprlib.repr(obj)}"

@@ -176,5 +176,3 @@ def _rebuild_joinable(q, unfinished, cond):
     obj._cond = cond
     obj._setup()
     return obj
-
-

@@ -131,7 +131,7 @@ class ProcessContext:
 
 class SpawnContext(ProcessContext):
     def __init__(self, processes, error_queues):
-        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.")
+        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
         super().__init__(processes, error_queues)
 
 
@@ -164,5 +164,3 @@ def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
         )
         warnings.warn(msg, FutureWarning, stacklevel=2)
     return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")
-
-

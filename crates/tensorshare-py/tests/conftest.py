@@ -1,0 +1,57 @@
+"""Shared fixtures: start methods, sharing strategies, torch when it is installed, and a
+check that nothing is left in /dev/shm."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+STRATEGIES = ["file_descriptor", "file_system"]
+
+
+def import_torch():
+    """torch, or a skip that says why (the test script installs it where it can)."""
+    return pytest.importorskip("torch", reason="torch is not installed in this environment")
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request):
+    import tensorshare.multiprocessing as mp
+
+    return mp.get_context(request.param)
+
+
+@pytest.fixture(params=STRATEGIES)
+def strategy(request):
+    import tensorshare.multiprocessing as mp
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(request.param)
+    yield request.param
+    mp.set_sharing_strategy(old)
+
+
+def named_segments(root=None):
+    """tensorshare's named segments in /dev/shm (of the group founded by ``root``)."""
+    prefix = "tensorshare_" if root is None else f"tensorshare_{root}_"
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def run_python(code, timeout=120, env=None):
+    """Runs ``code`` in a new Python process; its completed process (the test fails on a
+    timeout, which kills it)."""
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+    )

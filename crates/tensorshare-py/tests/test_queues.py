@@ -1,0 +1,253 @@
+"""Queues between Python processes: values, tensors and arrays as handles, every start
+method and sharing strategy."""
+
+import queue
+
+import numpy as np
+import pytest
+import tensorshare
+from conftest import import_torch
+
+
+def _echo(q_in, q_out):
+    while True:
+        item = q_in.get()
+        if item is None:
+            break
+        q_out.put(item)
+
+
+def _fill(q, value):
+    t = q.get()
+    t.fill_(value)
+
+
+def test_plain_values_round_trip():
+    values = [
+        None,
+        True,
+        False,
+        0,
+        -(2**63),
+        2**63 - 1,
+        2**100,
+        1.5,
+        float("inf"),
+        "text é",
+        b"\x00bytes",
+        [1, [2, [3]]],
+        (1, "a", None),
+        {"a": 1, 2: "b", (1, 2): [3]},
+        {1, 2, 3},
+        frozenset({4}),
+        range(3),
+        complex(1, 2),
+    ]
+    for v in values:
+        assert tensorshare.roundtrip(v) == v
+        assert type(tensorshare.roundtrip(v)) is type(v)
+
+
+def test_a_value_that_contains_itself_is_pickled_whole():
+    a = [1]
+    a.append(a)
+    b = tensorshare.roundtrip(a)
+    assert b[0] == 1 and b[1] is b
+
+
+def test_nesting_deeper_than_the_wire_allows_is_pickled_whole():
+    # 256 levels is the wire's limit (a peer cannot overflow a receiver's stack); deeper
+    # values go as one pickle, as deep as pickle itself can go (about 500 levels).
+    v = 0
+    for _ in range(400):
+        v = [v]
+    w = tensorshare.roundtrip(v)
+    for _ in range(400):
+        w = w[0]
+    assert w == 0
+
+
+def test_lambdas_and_closures_round_trip():
+    k = 7
+    f = tensorshare.roundtrip(lambda x: x + k)
+    assert f(1) == 8
+
+    def outer():
+        y = 3
+
+        def inner(x):
+            return x * y
+
+        return inner
+
+    assert tensorshare.roundtrip(outer())(5) == 15
+
+
+def test_an_object_that_cannot_be_pickled_names_itself():
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot send lock"):
+        tensorshare.roundtrip({"x": lock})
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"]
+)
+def test_arrays_alias_across_the_wire(dtype):
+    a = np.arange(24).astype(dtype).reshape(4, 6)
+    b = tensorshare.roundtrip(a)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    np.testing.assert_array_equal(a, b)
+    shared = tensorshare.empty_shared_array((4, 6), dtype)
+    shared[...] = a
+    view = shared[1:, ::2]
+    c = tensorshare.roundtrip(view)
+    np.testing.assert_array_equal(c, view)
+    assert c.__array_interface__["data"][0] == view.__array_interface__["data"][0]
+
+
+def test_empty_and_zero_dimensional_arrays():
+    for a in [np.zeros((0, 3), "float32"), np.array(5, "int64"), np.ones((2, 0, 2))]:
+        b = tensorshare.roundtrip(a)
+        assert b.shape == a.shape and b.dtype == a.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_torch_tensors_alias_and_keep_their_flags():
+    torch = import_torch()
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = t[:, 1]
+    p = torch.nn.Parameter(torch.ones(2))
+    g = torch.zeros(3, requires_grad=True)
+    got = tensorshare.roundtrip({"t": t, "v": view, "p": p, "g": g})
+    # Sending moved t's storage into shared memory in place: the earlier view followed.
+    assert t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    assert got["t"].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert got["v"].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert got["v"].stride() == view.stride() and got["v"].storage_offset() == view.storage_offset()
+    assert isinstance(got["p"], torch.nn.Parameter) and got["p"].requires_grad
+    assert got["g"].requires_grad and not isinstance(got["g"], torch.nn.Parameter)
+    got["t"][0, 0] = 42
+    assert t[0, 0] == 42
+
+
+def test_every_torch_dtype_travels():
+    torch = import_torch()
+    for dt in [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]:
+        t = (torch.arange(10) % 2).to(dt)
+        assert torch.equal(tensorshare.roundtrip(t), t)
+    for dt in [torch.float16, torch.bfloat16, torch.float32, torch.float64]:
+        t = torch.linspace(-1, 1, 10, dtype=dt)
+        r = tensorshare.roundtrip(t)
+        assert r.dtype == dt and torch.equal(r, t)
+    # dtypes without a tensorshare dtype travel by value, pickled
+    c = torch.tensor([1 + 2j])
+    assert torch.equal(tensorshare.roundtrip(c), c)
+
+
+def test_non_leaf_tensors_that_require_grad_are_refused_as_torch_does():
+    torch = import_torch()
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Cowardly refusing to serialize non-leaf tensor"):
+        tensorshare.roundtrip(x * 2)
+
+
+def test_meta_and_empty_tensors():
+    torch = import_torch()
+    m = torch.empty(3, 4, device="meta")
+    r = tensorshare.roundtrip(m)
+    assert r.device.type == "meta" and r.shape == m.shape
+    e = torch.empty(0, 5)
+    r = tensorshare.roundtrip(e)
+    assert r.shape == (0, 5)
+
+
+def test_queue_between_processes_every_start_method(ctx, strategy):
+    torch = import_torch()
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo, args=(q_in, q_out))
+    p.start()
+    t = torch.zeros(5)
+    a = np.arange(4.0)
+    q_in.put({"t": t, "a": a, "s": "x", "f": lambda v: v + 1})
+    got = q_out.get(timeout=60)
+    q_in.put(None)
+    p.join(60)
+    assert p.exitcode == 0
+    assert got["s"] == "x" and got["f"](1) == 2
+    assert got["t"].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    np.testing.assert_array_equal(got["a"], a)
+
+
+def test_a_child_writes_what_the_parent_sees(ctx, strategy):
+    torch = import_torch()
+    q = ctx.Queue()
+    p = ctx.Process(target=_fill, args=(q, 4.0))
+    p.start()
+    t = torch.zeros(6)
+    q.put(t)
+    p.join(60)
+    assert p.exitcode == 0
+    assert torch.all(t == 4.0)
+
+
+def test_get_timeout_and_nowait_raise_empty():
+    import tensorshare.multiprocessing as mp
+
+    q = mp.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.01)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    assert q.empty()
+    q.put(1)
+    assert not q.empty()
+    assert q.get() == 1
+
+
+def test_a_bounded_queue_raises_full():
+    import tensorshare.multiprocessing as mp
+
+    q = mp.Queue(maxsize=2)
+    q.put(1)
+    q.put(2)
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.01)
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    assert q.get() == 1
+    q.put(3)
+
+
+def test_a_sender_may_exit_before_the_receiver_gets(ctx):
+    torch = import_torch()
+    q = ctx.Queue()
+
+    def send(q):
+        q.put(torch.full((1000,), 3.0))
+
+    p = ctx.Process(target=send, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    t = q.get(timeout=60)
+    assert float(t.sum()) == 3000.0
+
+
+def test_a_queue_travels_inside_a_queue(ctx):
+    q = ctx.Queue()
+    inner = ctx.Queue()
+    q.put(inner)
+    got = q.get()
+    got.put("through the received handle")
+    assert inner.get(timeout=10) == "through the received handle"
+
+
+def test_pickling_a_queue_outside_a_process_start_is_an_error():
+    import pickle
+
+    import tensorshare.multiprocessing as mp
+
+    with pytest.raises(RuntimeError, match="cannot be pickled otherwise"):
+        pickle.dumps(mp.Queue())
