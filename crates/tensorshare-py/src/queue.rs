@@ -204,7 +204,9 @@ impl PyQueue {
         let mut value = to_value(py, obj)?;
         let deadline = deadline_of(block, timeout)?;
         let q = match &self.inner {
-            Inner::Simple(q) => return py.detach(move || q.put(value)).map_err(|e| to_py(e.into_parts().1)),
+            Inner::Simple(q) => {
+                return py.detach(move || q.put(value).map_err(|e| e.into_parts().1)).map_err(to_py)
+            }
             Inner::Queue(q) => q,
         };
         loop {
@@ -212,10 +214,9 @@ impl PyQueue {
                 None => SLICE,
                 Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
             };
-            let sent =
-                py.detach(
-                    move || if slice.is_zero() { q.try_put(value) } else { q.put_timeout(value, slice) },
-                );
+            let sent = py.detach(move || {
+                if slice.is_zero() { q.try_put(value) } else { q.put_timeout(value, slice) }.map_err(Box::new)
+            });
             let (back, e) = match sent {
                 Ok(()) => return Ok(()),
                 Err(e) => e.into_parts(),
