@@ -5,9 +5,10 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.pool
 import os
+import sys
 import threading
 
-from .. import _native
+from .. import _native, _reduction
 from . import _queues
 
 _lock = threading.Lock()
@@ -56,6 +57,24 @@ def _rebuild_by_value(data, dupfds):
     return _ByValue(_import_from_parent(data, dupfds))
 
 
+def _allocate_batches_in_arenas():
+    """In a process a tensorshare context started: torch's ``_new_shared``, which a
+    DataLoader worker's collate allocates each batch with, makes CPU storages in tensorshare
+    arenas, so a batch is sent without a copy and without a file in /dev/shm of its own."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch.UntypedStorage, "_tensorshare_new_shared", False):
+        return
+    original = torch.UntypedStorage._new_shared.__func__
+
+    def _new_shared(cls, size, *, device="cpu"):
+        if cls is torch.UntypedStorage and torch.device(device).type == "cpu":
+            return _reduction.torch_storage(_reduction.new_block(size))
+        return original(cls, size, device=device)
+
+    torch.UntypedStorage._new_shared = classmethod(_new_shared)
+    torch.UntypedStorage._tensorshare_new_shared = True
+
+
 class ByValueMixin:
     """Sends a process's target and arguments to the child by value (a lambda, a closure, a
     local function), with tensors and queues as handles."""
@@ -70,6 +89,10 @@ class ByValueMixin:
         payload = state.pop("_tensorshare_payload").value
         self.__dict__.update(state)
         self._target, self._args, self._kwargs = payload
+
+    def _bootstrap(self, *args, **kwargs):
+        _allocate_batches_in_arenas()
+        return super()._bootstrap(*args, **kwargs)
 
 
 class ForkProcess(ByValueMixin, multiprocessing.context.ForkProcess):

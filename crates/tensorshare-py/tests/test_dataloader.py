@@ -1,0 +1,94 @@
+"""torch's DataLoader with a tensorshare context: batches arrive intact, are allocated in
+tensorshare arenas by the workers, and lambdas work under spawn."""
+
+import pytest
+
+from conftest import START_METHODS, import_torch
+
+
+class Squares:
+    """A map-style dataset whose samples are dicts of small tensors."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        torch = import_torch()
+        return {"x": torch.full((3,), float(i)), "y": torch.tensor(i * i), "name": f"s{i}"}
+
+
+def collate_and_report(batch):
+    """default_collate, plus whether the batch's storage is a tensorshare block (it is when
+    the worker's torch allocates shared storages in arenas)."""
+    from torch.utils.data import default_collate
+
+    from tensorshare import _reduction
+
+    out = default_collate(batch)
+    out["in_arena"] = out["x"].untyped_storage().data_ptr() in _reduction._blocks
+    return out
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_an_epoch_through_a_tensorshare_context(method):
+    torch = import_torch()
+    from torch.utils.data import DataLoader
+
+    import tensorshare.multiprocessing as mp
+
+    loader = DataLoader(
+        Squares(40),
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context=mp.get_context(method),
+        collate_fn=collate_and_report,
+    )
+    seen = []
+    for batch in loader:
+        assert batch["in_arena"] is True
+        assert torch.equal(batch["y"], batch["x"][:, 0].long() ** 2)
+        seen.extend(batch["name"])
+    assert seen == [f"s{i}" for i in range(40)]
+
+
+def test_lambdas_as_collate_and_init_functions_under_spawn():
+    torch = import_torch()
+    from torch.utils.data import DataLoader
+
+    import tensorshare.multiprocessing as mp
+
+    offset = 100
+    loader = DataLoader(
+        list(range(12)),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=mp.get_context("spawn"),
+        collate_fn=lambda items: torch.tensor(items) + offset,
+        worker_init_fn=lambda worker_id: torch.manual_seed(worker_id),
+    )
+    got = torch.cat(list(loader))
+    assert torch.equal(got, torch.arange(12) + offset)
+
+
+class Broken:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise ValueError("sample 2 is broken")
+        return i
+
+
+def test_a_worker_error_reaches_the_loop():
+    import_torch()
+    from torch.utils.data import DataLoader
+
+    import tensorshare.multiprocessing as mp
+
+    loader = DataLoader(Broken(), batch_size=1, num_workers=1, multiprocessing_context=mp.get_context("fork"))
+    with pytest.raises(ValueError, match="sample 2 is broken"):
+        list(loader)
