@@ -37,6 +37,10 @@ enum TensorIn {
 
 impl Serialize for Tensor {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Inside `value::to_value`, the tensor stays a tensor.
+        if let Some(index) = crate::value::bridge::put(|| crate::Value::Tensor(self.clone())) {
+            return s.serialize_newtype_struct(crate::value::bridge::TOKEN, &index);
+        }
         let meta = |strides: Vec<usize>, offset| Meta {
             dtype: self.dtype,
             shape: self.shape.clone(),
@@ -81,6 +85,16 @@ fn build(storage: Storage, m: Meta) -> crate::Result<Tensor> {
 
 impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tensor, D::Error> {
+        // Inside `value::from_value`, a tensor field takes the tensor (or array) there.
+        if crate::value::bridge::active() {
+            use crate::value::bridge;
+            let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
+            return match bridge::take(index) {
+                Some(crate::Value::Tensor(t) | crate::Value::Array(t)) => Ok(t),
+                Some(other) => Err(super::de_error(format!("{} where a tensor was expected", other.kind()))),
+                None => Err(super::de_error("a bridged value taken twice")),
+            };
+        }
         let t = match TensorIn::deserialize(d)? {
             TensorIn::Handle { storage, meta } => {
                 if meta.device == Device::Meta {

@@ -22,6 +22,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Queue, SimpleQueue, Tensor};
 
+pub(crate) mod bridge;
+mod de;
+mod ser;
+
+pub use de::{from_value, DeError};
+pub use ser::{to_value, SerError};
+
 /// How deeply values may nest in a message: a peer cannot make a receiver overflow its
 /// stack with a value nested a million levels deep.
 pub const MAX_DEPTH: usize = 256;
@@ -76,6 +83,10 @@ thread_local! {
 
 impl Serialize for Value {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        // Inside `to_value`, a `Value` field stays what it is.
+        if let Some(index) = bridge::put(|| self.clone()) {
+            return s.serialize_newtype_struct(bridge::TOKEN, &index);
+        }
         Value::serialize(self, s)
     }
 }
@@ -95,6 +106,12 @@ impl<'de> Deserialize<'de> for Value {
         let _level = Level;
         if depth > MAX_DEPTH {
             return Err(crate::wire::de_error(format!("a value nested deeper than {MAX_DEPTH} levels")));
+        }
+        // Inside `from_value`, a `Value` field takes whatever is there.
+        if bridge::active() {
+            let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
+            return bridge::take(index)
+                .ok_or_else(|| serde::de::Error::custom("a bridged value taken twice"));
         }
         Value::deserialize(d)
     }

@@ -1,0 +1,212 @@
+//! [`from_value`]: a [`Value`] as any `Deserialize` type, tensors kept as tensors.
+
+use serde::de::{self, DeserializeOwned, DeserializeSeed, IntoDeserializer, Visitor};
+
+use super::{bridge, Value};
+use crate::{Error, Result};
+
+/// `value` as a `T`, reading it the way [`to_value`](super::to_value) writes: a struct from
+/// a `Dict` keyed by field names, a `Vec` from a `List` or a `Tuple`, an `Option` from `None`
+/// or the value, an enum from its variant's name (`Str`) or a `Dict` of one item. A tensor
+/// field takes a `Tensor` or an `Array` as it is; a `Value` field takes whatever is there.
+/// A mismatch is [`Error::InvalidMessage`], saying what was expected and what came.
+pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T> {
+    let _bridge = bridge::Bridge::open();
+    T::deserialize(ValueDeserializer(value)).map_err(|e| Error::InvalidMessage(e.0))
+}
+
+/// A deserialization error (its text).
+#[derive(Debug)]
+pub struct DeError(String);
+
+impl std::fmt::Display for DeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DeError {}
+
+impl de::Error for DeError {
+    fn custom<T: std::fmt::Display>(msg: T) -> DeError {
+        DeError(msg.to_string())
+    }
+}
+
+type R<T> = std::result::Result<T, DeError>;
+
+fn kind(v: &Value) -> &'static str {
+    v.kind()
+}
+
+impl Value {
+    /// What this is, in words ("a tensor", "a dict"), for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool(_) => "a bool",
+            Value::Int(_) => "an int",
+            Value::Float(_) => "a float",
+            Value::Str(_) => "a str",
+            Value::Bytes(_) => "bytes",
+            Value::List(_) => "a list",
+            Value::Tuple(_) => "a tuple",
+            Value::Dict(_) => "a dict",
+            Value::Tensor(_) => "a tensor",
+            Value::Array(_) => "an array",
+            Value::Queue(_) | Value::SimpleQueue(_) => "a queue",
+            Value::Object { .. } => "a pickled Python object",
+        }
+    }
+}
+
+struct ValueDeserializer(Value);
+
+impl<'de> de::Deserializer<'de> for ValueDeserializer {
+    type Error = DeError;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
+        match self.0 {
+            Value::None => visitor.visit_unit(),
+            Value::Bool(b) => visitor.visit_bool(b),
+            Value::Int(i) => visitor.visit_i64(i),
+            Value::Float(f) => visitor.visit_f64(f),
+            Value::Str(s) => visitor.visit_string(s),
+            Value::Bytes(b) => visitor.visit_byte_buf(b),
+            Value::List(items) | Value::Tuple(items) => {
+                let len = items.len();
+                let mut seq = Seq(items.into_iter());
+                let out = visitor.visit_seq(&mut seq)?;
+                if seq.0.len() != 0 {
+                    return Err(de::Error::invalid_length(len, &"fewer elements"));
+                }
+                Ok(out)
+            }
+            Value::Dict(items) => visitor.visit_map(Map { items: items.into_iter(), value: None }),
+            other => Err(DeError(format!("{} where {} was expected", kind(&other), Expected(&visitor)))),
+        }
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
+        match self.0 {
+            Value::None => visitor.visit_none(),
+            other => visitor.visit_some(ValueDeserializer(other)),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(self, name: &'static str, visitor: V) -> R<V::Value> {
+        if name == bridge::TOKEN {
+            let index = bridge::put(|| self.0).ok_or_else(|| DeError("no conversion is open".into()))?;
+            return visitor.visit_i64(index);
+        }
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _variants: &'static [&'static str],
+        visitor: V,
+    ) -> R<V::Value> {
+        match self.0 {
+            Value::Str(s) => visitor.visit_enum(s.into_deserializer()),
+            Value::Dict(mut items) if items.len() == 1 => {
+                let (k, v) = items.pop().expect("one item");
+                match k {
+                    Value::Str(variant) => visitor.visit_enum(Enum { variant, value: v }),
+                    other => Err(DeError(format!("an enum variant named by {}, not a str", kind(&other)))),
+                }
+            }
+            other => Err(DeError(format!(
+                "{} where an enum (a variant's name, or a dict of one item) was expected",
+                kind(&other)
+            ))),
+        }
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+        bytes byte_buf unit unit_struct seq tuple tuple_struct map struct identifier ignored_any
+    }
+}
+
+struct Expected<'a, V>(&'a V);
+
+impl<'de, V: Visitor<'de>> std::fmt::Display for Expected<'_, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.expecting(f)
+    }
+}
+
+struct Seq(std::vec::IntoIter<Value>);
+
+impl<'de> de::SeqAccess<'de> for Seq {
+    type Error = DeError;
+    fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> R<Option<T::Value>> {
+        match self.0.next() {
+            Some(v) => seed.deserialize(ValueDeserializer(v)).map(Some),
+            None => Ok(None),
+        }
+    }
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+struct Map {
+    items: std::vec::IntoIter<(Value, Value)>,
+    value: Option<Value>,
+}
+
+impl<'de> de::MapAccess<'de> for Map {
+    type Error = DeError;
+    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> R<Option<K::Value>> {
+        match self.items.next() {
+            Some((k, v)) => {
+                self.value = Some(v);
+                seed.deserialize(ValueDeserializer(k)).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> R<V::Value> {
+        let v = self.value.take().ok_or_else(|| DeError("a map value asked for before its key".into()))?;
+        seed.deserialize(ValueDeserializer(v))
+    }
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.items.len())
+    }
+}
+
+struct Enum {
+    variant: String,
+    value: Value,
+}
+
+impl<'de> de::EnumAccess<'de> for Enum {
+    type Error = DeError;
+    type Variant = ValueDeserializer;
+    fn variant_seed<V: DeserializeSeed<'de>>(self, seed: V) -> R<(V::Value, ValueDeserializer)> {
+        let name = seed.deserialize(self.variant.into_deserializer())?;
+        Ok((name, ValueDeserializer(self.value)))
+    }
+}
+
+impl<'de> de::VariantAccess<'de> for ValueDeserializer {
+    type Error = DeError;
+    fn unit_variant(self) -> R<()> {
+        match self.0 {
+            Value::None => Ok(()),
+            other => Err(DeError(format!("{} for a variant without content", kind(&other)))),
+        }
+    }
+    fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> R<T::Value> {
+        seed.deserialize(self)
+    }
+    fn tuple_variant<V: Visitor<'de>>(self, _len: usize, visitor: V) -> R<V::Value> {
+        de::Deserializer::deserialize_any(self, visitor)
+    }
+    fn struct_variant<V: Visitor<'de>>(self, _fields: &'static [&'static str], visitor: V) -> R<V::Value> {
+        de::Deserializer::deserialize_any(self, visitor)
+    }
+}
