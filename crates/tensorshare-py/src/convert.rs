@@ -106,6 +106,15 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
     if let Ok(q) = obj.cast::<PyQueue>() {
         return Ok(q.get().value());
     }
+    // tensorshare.multiprocessing's Queue and SimpleQueue (not JoinableQueue, whose
+    // semaphores only travel by pickling) are the queue they wrap.
+    let queues = py.import("tensorshare.multiprocessing._queues")?;
+    for class in ["Queue", "SimpleQueue"] {
+        if obj.get_type().is(&queues.getattr(class)?) {
+            let q = obj.getattr("_q")?;
+            return Ok(q.cast::<PyQueue>().map_err(PyErr::from)?.get().value());
+        }
+    }
     let parts = helpers(py)?.call_method1("tensor_parts", (obj,))?;
     if !parts.is_none() {
         return Ok(tensor_from_parts(&parts)?);
@@ -174,13 +183,20 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
         }
         Value::Tensor(t) => rebuild(py, t, false)?,
         Value::Array(t) => rebuild(py, t, true)?,
-        Value::Queue(q) => Py::new(py, PyQueue::from_queue(q))?.into_any(),
-        Value::SimpleQueue(q) => Py::new(py, PyQueue::from_simple(q))?.into_any(),
+        Value::Queue(q) => wrap_queue(py, PyQueue::from_queue(q), "Queue")?,
+        Value::SimpleQueue(q) => wrap_queue(py, PyQueue::from_simple(q), "SimpleQueue")?,
         Value::Object { pickle, tensors } => {
             let inner = tensors.into_iter().map(|v| from_value(py, v)).collect::<PyResult<Vec<_>>>()?;
             helpers(py)?.call_method1("loads", (PyBytes::new(py, &pickle), inner))?.unbind()
         }
     })
+}
+
+/// A received queue as `tensorshare.multiprocessing`'s class of it.
+fn wrap_queue(py: Python<'_>, q: PyQueue, class: &str) -> PyResult<Py<PyAny>> {
+    let queues = py.import("tensorshare.multiprocessing._queues")?;
+    let native = Py::new(py, q)?;
+    Ok(queues.getattr("_rebuild")?.call1((queues.getattr(class)?, native))?.unbind())
 }
 
 fn rebuild(py: Python<'_>, t: Tensor, array: bool) -> PyResult<Py<PyAny>> {

@@ -5,6 +5,7 @@ import queue
 
 import numpy as np
 import pytest
+
 import tensorshare
 from conftest import import_torch
 

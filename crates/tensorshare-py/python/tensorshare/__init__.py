@@ -12,6 +12,7 @@ module has the pieces under it:
 Queues carry values to Rust processes too: see ``tensorshare::Value`` in the Rust crate.
 """
 
+from . import _native
 from ._native import (
     Block,
     InvalidMessage,
@@ -31,6 +32,8 @@ __all__ = [
     "empty_shared_array",
     "share_memory_",
     "get_all_sharing_strategies",
+    "inherited",
+    "popen",
     "get_sharing_strategy",
     "roundtrip",
     "set_sharing_strategy",
@@ -77,3 +80,40 @@ def share_memory_(t):
 
     _block_of_torch(t)
     return t
+
+
+HANDOFF_VAR = "TENSORSHARE_HANDOFF"
+
+
+def popen(args, value, var=HANDOFF_VAR, **kwargs):
+    """Starts ``args`` (a Rust program, or any program using tensorshare) with ``value``
+    handed to it: a queue, a tuple of queues, tensors, any value. The child's descriptors
+    for it are inherited, and the environment variable ``var`` describes them; a Rust child
+    reads it with ``unsafe { tensorshare::Message::from_env(var) }?.decode::<Value>()``, a
+    Python child with ``tensorshare.inherited(var)``. Returns the ``subprocess.Popen``."""
+    import os
+    import subprocess
+
+    data, fds, parcel = _native.export(value)
+    env = dict(kwargs.pop("env", None) or os.environ)
+    env[var] = data.hex() + ":" + ",".join(str(fd) for fd in fds)
+    pass_fds = tuple(kwargs.pop("pass_fds", ())) + tuple(fds)
+    try:
+        return subprocess.Popen(args, env=env, pass_fds=pass_fds, **kwargs)
+    finally:
+        del parcel  # the child has its own descriptors now
+
+
+def inherited(var=HANDOFF_VAR):
+    """The value a parent handed to this process with ``popen`` (or Rust's
+    ``Message::pass_to``), read once from the environment variable ``var``."""
+    import os
+
+    text = os.environ.pop(var)
+    data, _, fds = text.partition(":")
+    fds = [int(f) for f in fds.split(",") if f]
+    try:
+        return _native.import_(bytes.fromhex(data), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -225,12 +225,33 @@ macro_rules! queue_type {
 
         impl<T> Serialize for $name<T> {
             fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                // Inside `value::to_value`, the queue becomes a `Value` queue: the same queue.
+                let bridged = crate::value::bridge::put(|| {
+                    crate::Value::$name($name { core: self.core.clone(), _t: PhantomData })
+                });
+                if let Some(index) = bridged {
+                    return s.serialize_newtype_struct(crate::value::bridge::TOKEN, &index);
+                }
                 serialize_core(&self.core, s)
             }
         }
 
         impl<'de, T> Deserialize<'de> for $name<T> {
             fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                // Inside `value::from_value`, a queue field takes the queue there.
+                if crate::value::bridge::active() {
+                    use crate::value::bridge;
+                    let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
+                    return match bridge::take(index) {
+                        Some(crate::Value::$name(q)) => Ok($name { core: q.core, _t: PhantomData }),
+                        Some(other) => Err(wire::de_error(format!(
+                            "{} where a {} was expected",
+                            other.kind(),
+                            stringify!($name)
+                        ))),
+                        None => Err(wire::de_error("a bridged value taken twice")),
+                    };
+                }
                 Ok($name { core: deserialize_core(d)?, _t: PhantomData })
             }
         }
