@@ -131,6 +131,11 @@ fn get_all_sharing_strategies() -> Vec<String> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Helpers (the file_system strategy's cleaner) start as this Python loading this module
+    // again: its constructor takes the role before any Python code of ours runs.
+    let executable: std::path::PathBuf = m.py().import("sys")?.getattr("executable")?.extract()?;
+    let args = ["-c", "import tensorshare._native"].map(std::ffi::OsString::from).to_vec();
+    tensorshare::set_helper_command(executable, args);
     m.add_class::<Block>()?;
     m.add_class::<queue::PyQueue>()?;
     m.add_function(wrap_pyfunction!(empty_block, m)?)?;

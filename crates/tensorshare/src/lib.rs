@@ -138,9 +138,9 @@ pub use error::{Error, Failure, ProcessError, Result};
 pub use message::Message;
 pub use nested::NestedTensor;
 pub use process::{
-    allow_fork_with_threads, init, spawn, start_processes, trust_libraries_without_build_id, AsyncResult,
-    Captured, Job, JobResult, JobReturn, Pool, PoolBuilder, ProcessContext, StarFn, StartMethod, Tasks,
-    DEFAULT_GRACE, WORKER_ARGS,
+    allow_fork_with_threads, init, set_helper_command, spawn, start_processes,
+    trust_libraries_without_build_id, AsyncResult, Captured, Job, JobResult, JobReturn, Pool, PoolBuilder,
+    ProcessContext, StarFn, StartMethod, Tasks, DEFAULT_GRACE, WORKER_ARGS,
 };
 pub use sparse::{SparseLayout, SparseTensor};
 pub use storage::Storage;

@@ -170,6 +170,22 @@ pub(crate) fn exec_worker(var: &str, fd: OwnedFd, invitation: &Invitation) -> Re
     }
 }
 
+/// The program and arguments helpers are started with, when not this binary.
+static HELPER_COMMAND: std::sync::OnceLock<(std::path::PathBuf, Vec<std::ffi::OsString>)> =
+    std::sync::OnceLock::new();
+
+/// Has tensorshare start its helper processes (the shared-memory cleaner of the
+/// `file_system` strategy, and [`StartMethod::Spawn`] workers) as `program` with `args`,
+/// instead of re-executing this binary with [`WORKER_ARGS`]. For a runtime that loads
+/// tensorshare as a shared library rather than linking it into its executable: the Python
+/// package sets `python -c "import tensorshare._native"`, which loads the library again, whose
+/// constructor takes the role. The command must load the same build of tensorshare (the
+/// handshake checks the executable, and a worker's job is named by offsets in the library),
+/// and run nothing else first. The first call wins; `false` when a command was already set.
+pub fn set_helper_command(program: impl Into<std::path::PathBuf>, args: Vec<std::ffi::OsString>) -> bool {
+    HELPER_COMMAND.set((program.into(), args)).is_ok()
+}
+
 /// Re-executes this binary with `fd` at descriptor 3, `var` naming it and the invitation
 /// whose hello is queued on `fd`'s peer, and `env` set.
 pub(crate) fn exec_helper(
@@ -179,11 +195,22 @@ pub(crate) fn exec_helper(
     env: &[(&str, String)],
 ) -> Result<rustix::process::Pid> {
     let me = rustix::process::getpid().as_raw_nonzero().get();
-    let mut cmd = Command::new("/proc/self/exe");
-    if let Some(arg0) = std::env::args_os().next() {
-        cmd.arg0(arg0);
-    }
-    cmd.args(WORKER_ARGS).env(var, invitation.env_value(me));
+    let mut cmd = match HELPER_COMMAND.get() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args);
+            cmd
+        }
+        None => {
+            let mut cmd = Command::new("/proc/self/exe");
+            if let Some(arg0) = std::env::args_os().next() {
+                cmd.arg0(arg0);
+            }
+            cmd.args(WORKER_ARGS);
+            cmd
+        }
+    };
+    cmd.env(var, invitation.env_value(me));
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -203,7 +230,7 @@ pub(crate) fn exec_helper(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| Error::io("starting a worker (exec of /proc/self/exe)", e))?;
+    let child = cmd.spawn().map_err(|e| Error::io(format!("starting a helper process ({cmd:?})"), e))?;
     drop(fd);
     rustix::process::Pid::from_raw(child.id() as i32)
         .ok_or_else(|| Error::io("starting a worker", std::io::Error::other("it has pid 0")))

@@ -22,7 +22,7 @@ pub use context::{ProcessContext, DEFAULT_GRACE};
 use crate::error::process as error;
 pub use fork::allow_fork_with_threads;
 pub use job::{trust_libraries_without_build_id, Captured, Job, JobResult, JobReturn};
-pub use launch::{spawn, start_processes, StartMethod, WORKER_ARGS};
+pub use launch::{set_helper_command, spawn, start_processes, StartMethod, WORKER_ARGS};
 
 pub use pool::{AsyncResult, Pool, PoolBuilder, StarFn, Tasks};
 

@@ -1,0 +1,165 @@
+"""What tensorshare promises Python users beyond torch: O(arenas) descriptors, nothing
+left in /dev/shm after SIGKILL, and a clear MemoryError (never a bus error) when shared
+memory is full. Each case runs in a Python process of its own."""
+
+import os
+import select
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import STRATEGIES, import_torch, named_segments, run_python
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ten_thousand_live_tensors_under_a_limit_of_256_descriptors(strategy):
+    import_torch()
+    out = run_python(
+        f"""
+        import os, resource
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def produce(q, n):
+            for i in range(n):
+                q.put(torch.full((4,), float(i)))
+            q.put(None)
+
+        if __name__ == "__main__":
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+            mp.set_sharing_strategy("{strategy}")
+            ctx = mp.get_context("fork")
+            q = ctx.Queue(maxsize=64)
+            p = ctx.Process(target=produce, args=(q, 10_000))
+            p.start()
+            kept = []
+            while (t := q.get(timeout=120)) is not None:
+                kept.append(t)
+            p.join(60)
+            assert p.exitcode == 0, p.exitcode
+            assert len(kept) == 10_000
+            assert all(float(t[0]) == i for i, t in enumerate(kept))
+            print("fds", len(os.listdir("/proc/self/fd")))
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    fds = int(out.stdout.split("fds")[1])
+    assert fds < 64, f"{fds} descriptors open for 10,000 live tensors"
+
+
+def _wait_for_exit(pids, timeout=10.0):
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            assert ready, f"process {pid} still runs after {timeout} s"
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("victim", ["producer", "consumer"])
+def test_sigkill_mid_stream_leaves_nothing_in_dev_shm(victim):
+    import_torch()
+    # The scenario founds a cleanup group of its own (root: its pid), kills one side
+    # mid-stream, and prints the pids of its children (the cleaner among them) before it
+    # exits; once they are gone, no file of the group may be left.
+    env = {"TENSORSHARE_SHM_GROUP": ""}
+    out = run_python(
+        f"""
+        import os, signal
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def produce(q, ready):
+            ready.put("go")
+            i = 0
+            while True:
+                q.put(torch.full((1 << 14,), float(i)))
+                i += 1
+
+        def consume(q, ready):
+            for _ in range(20):
+                q.get(timeout=60)
+            ready.put("consumed")
+            while True:
+                q.get(timeout=60)
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            # A named block here first: this process founds the group, whose root it is.
+            first = torch.ones(4)
+            mp.Queue().put(first)
+            ctx = mp.get_context("fork")
+            q, ready = ctx.Queue(maxsize=8), ctx.SimpleQueue()
+            producer = ctx.Process(target=produce, args=(q, ready))
+            consumer = ctx.Process(target=consume, args=(q, ready))
+            producer.start()
+            consumer.start()
+            assert ready.get() == "go" and ready.get() == "consumed"
+            during = [n for n in os.listdir("/dev/shm") if n.startswith(f"tensorshare_{{os.getpid()}}_")]
+            print("during", len(during))
+            victim = producer if "{victim}" == "producer" else consumer
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(30)
+            for p in (producer, consumer):
+                p.kill()
+                p.join(30)
+            children = set()
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{{tid}}/children") as f:
+                    children.update(int(c) for c in f.read().split())
+            print("root", os.getpid(), "children", *sorted(children))
+        """,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert int(words[words.index("during") + 1]) > 0, "the scenario made no named segment"
+    root = int(words[words.index("root") + 1])
+    _wait_for_exit([int(w) for w in words[words.index("children") + 1 :]])
+    assert named_segments(root) == []
+
+
+def test_a_full_dev_shm_is_a_memory_error_not_a_bus_error():
+    import_torch()
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting a 1 MiB tmpfs over /dev/shm needs root and unshare")
+    script = """
+import torch
+import tensorshare
+import tensorshare.multiprocessing as mp
+
+mp.set_sharing_strategy("file_system")
+try:
+    tensorshare.empty_shared((4 << 20,), torch.uint8)
+except MemoryError as e:
+    print("empty_shared:", e)
+q = mp.Queue()
+try:
+    q.put(torch.ones(1 << 20))
+except MemoryError as e:
+    print("put:", e)
+mp.set_sharing_strategy("file_descriptor")
+q.put(torch.ones(1 << 20))
+print("memfd:", float(q.get().sum()))
+"""
+    cmd = [
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" -c "$1"',
+        os.sys.executable,
+        script,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "mount" in out.stderr and "permission" in out.stderr.lower():
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert "empty_shared:" in out.stdout and "put:" in out.stdout, out.stdout
+    print(out.stdout)
+    assert "memfd: 1048576.0" in out.stdout
