@@ -59,6 +59,6 @@ if ! (cd crates/tensorshare-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" mat
 fi
 rm -f "$log"
 
-"$venv/bin/ruff" check --quiet crates/tensorshare-py/python crates/tensorshare-py/tests benches/python
-"$venv/bin/ruff" format --quiet --check crates/tensorshare-py/python crates/tensorshare-py/tests benches/python
+"$venv/bin/ruff" check --quiet crates/tensorshare-py/python crates/tensorshare-py/tests crates/tensorshare-py/examples benches/python
+"$venv/bin/ruff" format --quiet --check crates/tensorshare-py/python crates/tensorshare-py/tests crates/tensorshare-py/examples benches/python
 "$venv/bin/python" -m pytest -q crates/tensorshare-py/tests "$@"
