@@ -115,7 +115,12 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
             return Ok(q.cast::<PyQueue>().map_err(PyErr::from)?.get().value());
         }
     }
-    let parts = helpers(py)?.call_method1("tensor_parts", (obj,))?;
+    if let Some(api) = crate::torch::api(py)? {
+        if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
+            return Ok(v);
+        }
+    }
+    let parts = helpers(py)?.call_method1("array_parts", (obj,))?;
     if !parts.is_none() {
         return Ok(tensor_from_parts(&parts)?);
     }
@@ -181,7 +186,18 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
             }
             dict.into_any().unbind()
         }
-        Value::Tensor(t) => rebuild(py, t, false)?,
+        Value::Tensor(t) => match crate::torch::api(py)? {
+            Some(api) => crate::torch::from_tensor(py, api, t)?,
+            // torch not imported yet: import it; without torch, a tensor arrives as a numpy array.
+            None => match py.import("torch") {
+                Ok(_) => match crate::torch::api(py)? {
+                    Some(api) => crate::torch::from_tensor(py, api, t)?,
+                    None => rebuild(py, t, true)?,
+                },
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyImportError>(py) => rebuild(py, t, true)?,
+                Err(e) => return Err(e),
+            },
+        },
         Value::Array(t) => rebuild(py, t, true)?,
         Value::Queue(q) => wrap_queue(py, PyQueue::from_queue(q), "Queue")?,
         Value::SimpleQueue(q) => wrap_queue(py, PyQueue::from_simple(q), "SimpleQueue")?,
@@ -209,7 +225,14 @@ fn rebuild(py: Python<'_>, t: Tensor, array: bool) -> PyResult<Py<PyAny>> {
             )))
         }
     };
-    let block = Block { storage: t.storage().clone() };
+    let block = match crate::torch::find_block(py, t.storage().data_ptr()).filter(|b| b.get().storage.ptr_eq(t.storage())) {
+        Some(b) => b,
+        None => {
+            let b = Bound::new(py, Block { storage: t.storage().clone() })?;
+            crate::torch::register_block(py, &b)?;
+            b
+        }
+    };
     let args = (
         array,
         block,

@@ -17,6 +17,7 @@ use tensorshare::{Error, Storage};
 
 mod convert;
 mod queue;
+mod torch;
 
 create_exception!(
     _native,
@@ -110,6 +111,36 @@ fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
     Ok(Block { storage: storage.map_err(to_py)? })
 }
 
+/// A new block of `nbytes` in shared memory, registered as this process's block at its
+/// address (so a tensor or array over it is sent without a copy).
+#[pyfunction]
+fn new_block(py: Python<'_>, nbytes: usize) -> PyResult<Bound<'_, Block>> {
+    let block = Bound::new(py, empty_block(py, nbytes)?)?;
+    torch::register_block(py, &block)?;
+    Ok(block)
+}
+
+/// The live registered block at `address`, or None.
+#[pyfunction]
+fn find_block(py: Python<'_>, address: usize) -> Option<Bound<'_, Block>> {
+    torch::find_block(py, address)
+}
+
+/// The torch storage over `block` (one per block while it lives; torch must be imported).
+#[pyfunction]
+fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bound<'py, PyAny>> {
+    let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
+    torch::register_block(py, block)?;
+    torch::storage_of(py, api, block)
+}
+
+/// Records `storage` as the torch storage over the block at `address` (after a storage was
+/// moved into a block in place).
+#[pyfunction]
+fn register_storage(py: Python<'_>, address: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    torch::register_storage(py, address, storage)
+}
+
 /// The current sharing strategy, by torch's name.
 #[pyfunction]
 fn get_sharing_strategy() -> String {
@@ -139,6 +170,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Block>()?;
     m.add_class::<queue::PyQueue>()?;
     m.add_function(wrap_pyfunction!(empty_block, m)?)?;
+    m.add_function(wrap_pyfunction!(new_block, m)?)?;
+    m.add_function(wrap_pyfunction!(find_block, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(register_storage, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;

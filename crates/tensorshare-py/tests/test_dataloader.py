@@ -25,10 +25,10 @@ def collate_and_report(batch):
     the worker's torch allocates shared storages in arenas)."""
     from torch.utils.data import default_collate
 
-    from tensorshare import _reduction
+    from tensorshare import _native
 
     out = default_collate(batch)
-    out["in_arena"] = out["x"].untyped_storage().data_ptr() in _reduction._blocks
+    out["in_arena"] = _native.find_block(out["x"].untyped_storage().data_ptr()) is not None
     return out
 
 

@@ -54,7 +54,7 @@ def test_batches_from_rust_are_torch_tensors_in_its_memory(loader):
         assert b["mask"].dtype == torch.bool and b["mask"].tolist() == [True, False, True, False]
         assert b["scale_f16"].dtype == torch.float16 and float(b["scale_f16"][0]) == 0.5
         assert b["scale_bf16"].dtype == torch.bfloat16 and float(b["scale_bf16"][0]) == 0.25
-        assert b["images"].untyped_storage().data_ptr() in tensorshare._reduction._blocks
+        assert tensorshare._native.find_block(b["images"].untyped_storage().data_ptr()) is not None
     assert batches.get(timeout=60) == "done"
 
 

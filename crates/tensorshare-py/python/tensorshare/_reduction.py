@@ -8,7 +8,6 @@ import io
 import pickle
 import reprlib
 import sys
-import weakref
 
 from . import _native
 
@@ -16,13 +15,6 @@ try:  # cloudpickle pickles lambdas, closures and local functions by value
     import cloudpickle as _cloudpickle
 except ImportError:  # pragma: no cover - a dependency of the package
     _cloudpickle = None
-
-# Blocks alive in this process, by address: a tensor whose storage starts at one of them is
-# already in shared memory and travels as a handle without a copy.
-_blocks = weakref.WeakValueDictionary()
-# The torch storage made over each block, so that tensors received twice from one storage
-# share one torch storage here too (views alias, as with torch's own queues).
-_torch_storages = {}
 
 _NUMPY_NAMES = {
     "bool": "bool",
@@ -64,45 +56,24 @@ def _numpy():
 
 
 def new_block(nbytes):
-    """A block of ``nbytes`` in shared memory, registered as such."""
-    block = _native.empty_block(nbytes)
-    if nbytes:
-        _blocks[block.address] = block
-    return block
+    """A block of ``nbytes`` in shared memory, registered as such (a tensor or an array over
+    it is sent without a copy)."""
+    return _native.new_block(nbytes)
 
 
 def torch_storage(block):
     """The torch storage over ``block`` (one per block while it lives)."""
-    torch = _torch()
-    ref = _torch_storages.get(block.address)
-    storage = ref() if ref is not None else None
-    if storage is None or storage.data_ptr() != block.address:
-        if block.nbytes == 0:
-            return torch.UntypedStorage(0)
-        storage = torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
-        _remember(block, storage)
-    return storage
+    if block.nbytes == 0:
+        return _torch().UntypedStorage(0)
+    return _native.torch_storage(block)
 
 
-def _remember(block, storage):
-    address = block.address
-    _torch_storages[address] = weakref.ref(storage, lambda r: _forget(address, r))
-
-
-def _forget(address, ref):
-    if _torch_storages.get(address) is ref:
-        del _torch_storages[address]
-
-
-def _block_of_torch(t):
-    """The block ``t``'s storage lives in, moving the storage there first when it lives
-    elsewhere: in place, as torch's ``share_memory_()`` does, so every tensor viewing that
-    storage follows (or, where torch lacks the means, for ``t`` alone)."""
+def move_into_block(t):
+    """Moves the storage of torch tensor ``t`` into a new block and returns the block: in
+    place, as torch's ``share_memory_()`` does, so every tensor viewing that storage follows
+    (or, where torch lacks the means, for ``t`` alone)."""
     torch = _torch()
     storage = t.untyped_storage()
-    block = _blocks.get(storage.data_ptr())
-    if block is not None and block.nbytes >= storage.nbytes():
-        return block
     block = new_block(storage.nbytes())
     if not storage.nbytes():
         return block
@@ -112,12 +83,21 @@ def _block_of_torch(t):
         # The storage takes the block's memory (and the reference to the block that keeps
         # it mapped); `fresh` takes the old memory and frees it when it goes.
         storage._swap_data_ptr_(fresh)
-        _remember(block, storage)
+        _native.register_storage(block.address, storage)
     else:  # pragma: no cover - torch before 2.3
-        _remember(block, fresh)
+        _native.register_storage(block.address, fresh)
         with torch.no_grad():
             t.set_(fresh, t.storage_offset(), t.size(), t.stride())
     return block
+
+
+def _block_of_torch(t):
+    """The block ``t``'s storage lives in, moving it there first when it lives elsewhere."""
+    storage = t.untyped_storage()
+    block = _native.find_block(storage.data_ptr())
+    if block is not None and block.nbytes >= storage.nbytes():
+        return block
+    return move_into_block(t)
 
 
 def _block_of_array(a):
@@ -143,49 +123,10 @@ def _block_of_array(a):
     return block, 0, tuple(reversed(strides))
 
 
-def tensor_parts(obj):
-    """What the native side needs to send ``obj`` as a handle, or None when ``obj`` is no
-    tensor or array it can send that way (it is then pickled by value)."""
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        name = _TORCH_NAMES.get(str(obj.dtype))
-        if name is None or obj.layout != torch.strided or obj.is_sparse:
-            return None
-        if obj.requires_grad and not obj.is_leaf:
-            raise RuntimeError(NON_LEAF_REFUSED)
-        parameter = isinstance(obj, torch.nn.Parameter)
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            return None  # a subclass keeps its class by pickling
-        device = obj.device.type
-        if device == "meta":
-            return (
-                False,
-                None,
-                name,
-                tuple(obj.shape),
-                tuple(obj.stride()),
-                0,
-                obj.requires_grad,
-                parameter,
-                "meta",
-            )
-        if device != "cpu":
-            raise RuntimeError(
-                f"a tensor on {obj.device} cannot be sent by tensorshare's Python package yet; "
-                "move it to the CPU first"
-            )
-        block = _block_of_torch(obj)
-        return (
-            False,
-            block,
-            name,
-            tuple(obj.shape),
-            tuple(obj.stride()),
-            obj.storage_offset(),
-            obj.requires_grad,
-            parameter,
-            "cpu",
-        )
+def array_parts(obj):
+    """What the native side needs to send numpy array ``obj`` as a handle, or None when
+    ``obj`` is no array it can send that way (it is then pickled by value). Torch tensors are
+    handled in Rust (``torch.rs``)."""
     np = _numpy()
     if np is not None and type(obj) is np.ndarray:
         name = _NUMPY_NAMES.get(obj.dtype.name)
@@ -197,40 +138,21 @@ def tensor_parts(obj):
 
 
 def rebuild(array, block, dtype, shape, strides, offset, requires_grad, parameter, device):
-    """A torch tensor or a numpy array over ``block``."""
-    known = _blocks.get(block.address) if block.nbytes else None
-    if known is not None and known.nbytes == block.nbytes:
-        block = known
-    elif block.nbytes:
-        _blocks[block.address] = block
-    if array:
-        np = _numpy()
-        if np is None:
-            import numpy as np
-        dt = np.dtype(dtype)
-        if not shape or 0 not in shape:
-            return np.ndarray(
-                shape,
-                dt,
-                buffer=block,
-                offset=offset * dt.itemsize,
-                strides=tuple(s * dt.itemsize for s in strides),
-            )
-        return np.zeros(shape, dt)
-    torch = _torch()
-    if torch is None:
-        import torch
-    dt = getattr(torch, dtype)
-    if device == "meta":
-        t = torch.empty_strided(shape, strides, dtype=dt, device="meta")
-    else:
-        t = torch.empty(0, dtype=dt)
-        t.set_(torch_storage(block), offset, shape, strides)
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
+    """A numpy array over ``block`` (torch tensors are rebuilt in Rust; a tensor reaches here
+    only where torch is not installed, and arrives as an array)."""
+    np = _numpy()
+    if np is None:
+        import numpy as np
+    dt = np.dtype(dtype)
+    if not shape or 0 not in shape:
+        return np.ndarray(
+            shape,
+            dt,
+            buffer=block,
+            offset=offset * dt.itemsize,
+            strides=tuple(s * dt.itemsize for s in strides),
+        )
+    return np.zeros(shape, dt)
 
 
 class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):

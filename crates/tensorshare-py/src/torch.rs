@@ -1,0 +1,233 @@
+//! torch tensors to and from tensorshare tensors, in Rust: the hot path of every queue.
+//!
+//! A torch tensor whose storage starts at a live [`Block`] travels as a handle to that
+//! block; one whose storage lives elsewhere is moved into a new block first (in Python,
+//! `_reduction.move_into_block`, once per storage). A received tensor becomes a torch tensor
+//! over the torch storage of its block, one torch storage per block while it lives, so that
+//! tensors received from one storage share one torch storage here too.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
+use pyo3::{intern, IntoPyObjectExt};
+use tensorshare::{DType, Device, Tensor, TensorKind, Value};
+
+use crate::{to_py, Block};
+
+/// What torch's own queues say of a non-leaf tensor that requires grad.
+const NON_LEAF_REFUSED: &str = "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd \
+    does not support crossing process boundaries.  If you just want to transfer the data, call detach() on the \
+    tensor before serializing (e.g., putting it on the queue).";
+
+/// The parts of torch used here, looked up once torch is imported.
+pub(crate) struct Api {
+    tensor: Py<PyAny>,
+    parameter: Py<PyAny>,
+    strided: Py<PyAny>,
+    /// torch's dtype objects, in the order of [`DType::ALL`].
+    dtypes: Vec<Py<PyAny>>,
+    empty: Py<PyAny>,
+    frombuffer: Py<PyAny>,
+    uint8: Py<PyAny>,
+}
+
+static API: PyOnceLock<Api> = PyOnceLock::new();
+
+/// torch's parts, or `None` while this process has not imported torch (nothing can then be
+/// a torch tensor; torch is never imported here).
+pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
+    if let Some(api) = API.get(py) {
+        return Ok(Some(api));
+    }
+    if !py.import("sys")?.getattr("modules")?.contains("torch")? {
+        return Ok(None);
+    }
+    API.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let dtypes = DType::ALL
+            .iter()
+            .map(|d| torch.getattr(d.torch_name()).map(Bound::unbind))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok::<_, PyErr>(Api {
+            tensor: torch.getattr("Tensor")?.unbind(),
+            parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
+            strided: torch.getattr("strided")?.unbind(),
+            uint8: torch.getattr("uint8")?.unbind(),
+            empty: torch.getattr("empty")?.unbind(),
+            frombuffer: torch.getattr("frombuffer")?.unbind(),
+            dtypes,
+        })
+    })
+    .map(Some)
+}
+
+/// Weak references by address: the live blocks of this process, and the torch storage made
+/// over each.
+#[derive(Default)]
+struct Registry {
+    blocks: HashMap<usize, Py<PyWeakrefReference>>,
+    storages: HashMap<usize, Py<PyWeakrefReference>>,
+    /// Entries at the last sweep of dead ones: the next sweep comes at twice as many.
+    swept_at: usize,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn with_registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
+    let mut guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    f(guard.get_or_insert_with(Registry::default))
+}
+
+fn live<'py>(py: Python<'py>, map: &HashMap<usize, Py<PyWeakrefReference>>, addr: usize) -> Option<Bound<'py, PyAny>> {
+    use pyo3::types::PyWeakrefMethods;
+    map.get(&addr).and_then(|w| w.bind(py).upgrade())
+}
+
+fn insert(py: Python<'_>, registry: &mut Registry, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    let weak = PyWeakrefReference::new(obj)?.unbind();
+    let map = if storage { &mut registry.storages } else { &mut registry.blocks };
+    map.insert(addr, weak);
+    let total = registry.blocks.len() + registry.storages.len();
+    if total > 2 * registry.swept_at.max(64) {
+        use pyo3::types::PyWeakrefMethods;
+        registry.blocks.retain(|_, w| w.bind(py).upgrade().is_some());
+        registry.storages.retain(|_, w| w.bind(py).upgrade().is_some());
+        registry.swept_at = registry.blocks.len() + registry.storages.len();
+    }
+    Ok(())
+}
+
+/// The live block at `addr`, if there is one.
+pub(crate) fn find_block<'py>(py: Python<'py>, addr: usize) -> Option<Bound<'py, Block>> {
+    with_registry(|r| live(py, &r.blocks, addr)).and_then(|b| b.cast_into::<Block>().ok())
+}
+
+/// Records `block` as the live block at its address.
+pub(crate) fn register_block(py: Python<'_>, block: &Bound<'_, Block>) -> PyResult<()> {
+    let addr = block.get().storage.data_ptr();
+    if block.get().storage.is_empty() {
+        return Ok(());
+    }
+    with_registry(|r| insert(py, r, false, addr, block.as_any()))
+}
+
+/// Records `storage` as the torch storage over the block at `addr`.
+pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    with_registry(|r| insert(py, r, true, addr, storage))
+}
+
+/// The torch storage over `block`, made (and recorded) when there is none yet.
+pub(crate) fn storage_of<'py>(py: Python<'py>, api: &Api, block: &Bound<'py, Block>) -> PyResult<Bound<'py, PyAny>> {
+    let addr = block.get().storage.data_ptr();
+    if let Some(s) = with_registry(|r| live(py, &r.storages, addr)) {
+        return Ok(s);
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
+    let base = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
+    let storage = base.call_method0(intern!(py, "untyped_storage"))?;
+    register_storage(py, addr, &storage)?;
+    Ok(storage)
+}
+
+/// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
+/// as a handle (a subclass, a sparse layout, a dtype tensorshare lacks: it is pickled).
+pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+    let ty = obj.get_type();
+    let parameter = ty.is(api.parameter.bind(py));
+    if !parameter && !ty.is(api.tensor.bind(py)) {
+        return Ok(None);
+    }
+    let dtype_obj = obj.getattr(intern!(py, "dtype"))?;
+    let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
+    let dtype = DType::ALL[k];
+    if !obj.getattr(intern!(py, "layout"))?.is(api.strided.bind(py)) {
+        return Ok(None);
+    }
+    let requires_grad: bool = obj.getattr(intern!(py, "requires_grad"))?.extract()?;
+    if requires_grad && !obj.getattr(intern!(py, "is_leaf"))?.extract::<bool>()? {
+        return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));
+    }
+    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
+    let mut t = if obj.getattr(intern!(py, "is_meta"))?.extract::<bool>()? {
+        Tensor::try_meta(&shape, dtype).map_err(to_py)?
+    } else {
+        if !obj.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
+            let device = obj.getattr(intern!(py, "device"))?;
+            return Err(PyRuntimeError::new_err(format!(
+                "a tensor on {device} cannot be sent by tensorshare's Python package yet; move it to the CPU first"
+            )));
+        }
+        let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
+        let offset: usize = obj.call_method0(intern!(py, "storage_offset"))?.extract()?;
+        let storage = obj.call_method0(intern!(py, "untyped_storage"))?;
+        let addr: usize = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let nbytes: usize = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        let block = match find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes) {
+            Some(b) => b,
+            None => py
+                .import(intern!(py, "tensorshare._reduction"))?
+                .call_method1(intern!(py, "move_into_block"), (obj,))?
+                .cast_into::<Block>()
+                .map_err(PyErr::from)?,
+        };
+        Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
+    };
+    t.set_requires_grad(requires_grad).map_err(to_py)?;
+    if parameter {
+        t.set_kind(TensorKind::Parameter);
+    }
+    Ok(Some(Value::Tensor(t)))
+}
+
+/// A received tensor as a torch tensor over its block's torch storage.
+pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<PyAny>> {
+    let k = DType::ALL.iter().position(|d| *d == t.dtype()).expect("every dtype is in DType::ALL");
+    let dtype = api.dtypes[k].bind(py);
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(intern!(py, "dtype"), dtype)?;
+    let shape = PyTuple::new(py, t.shape())?;
+    let strides = PyTuple::new(py, t.strides())?;
+    let out = match t.device() {
+        Device::Cpu if !t.storage().is_empty() => {
+            let addr = t.storage().data_ptr();
+            let block = match find_block(py, addr).filter(|b| b.get().storage.ptr_eq(t.storage())) {
+                Some(b) => b,
+                None => {
+                    let b = Bound::new(py, Block { storage: t.storage().clone() })?;
+                    register_block(py, &b)?;
+                    b
+                }
+            };
+            let storage = storage_of(py, api, &block)?;
+            let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
+            out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
+            out
+        }
+        Device::Cpu => {
+            // No bytes: an empty tensor (a view of nothing), strides kept.
+            kwargs.set_item(intern!(py, "dtype"), dtype)?;
+            py.import(intern!(py, "torch"))?.getattr(intern!(py, "empty_strided"))?.call((shape, strides), Some(&kwargs))?
+        }
+        Device::Meta => {
+            kwargs.set_item(intern!(py, "device"), "meta")?;
+            py.import(intern!(py, "torch"))?.getattr(intern!(py, "empty_strided"))?.call((shape, strides), Some(&kwargs))?
+        }
+        Device::Cuda(i) => {
+            return Err(PyRuntimeError::new_err(format!(
+                "a tensor on cuda:{i} reached Python, which takes CPU and meta tensors"
+            )))
+        }
+    };
+    if t.kind() == TensorKind::Parameter {
+        return api.parameter.bind(py).call1((out, t.requires_grad()))?.into_py_any(py);
+    }
+    if t.requires_grad() {
+        out.call_method1(intern!(py, "requires_grad_"), (true,))?;
+    }
+    Ok(out.unbind())
+}
