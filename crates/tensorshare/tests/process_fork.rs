@@ -103,3 +103,34 @@ fn keeps_no_pipe_of_its_parent(_rank: usize, _: ()) {
 fn a_forked_worker_does_not_keep_its_parents_pipes() {
     common::isolated_with(keeps_no_pipe_of_its_parent, ());
 }
+
+fn allocate_named_storage(_rank: usize, _: ()) {
+    // Allocating makes the allocator forget the arenas inherited through fork; dropping
+    // them must not remove the parent's files.
+    tensorshare::Storage::empty_shared_with(4096, tensorshare::SharingStrategy::FileSystem).unwrap();
+}
+
+fn named_arena_survives_the_child(_rank: usize, _: StartMethod) {
+    common::allow_fork_in_helper();
+    let storage =
+        tensorshare::Storage::empty_shared_with(4096, tensorshare::SharingStrategy::FileSystem).unwrap();
+    let name = storage.segment_name().expect("a named storage");
+    // The arena stays in this process's allocator, and no storage of it is alive at the fork.
+    drop(storage);
+    let path = tensorshare::segments::shm_dir().join(&name);
+    assert!(path.exists(), "{name} was removed before the fork");
+    let mut ctx = start_processes(allocate_named_storage, (), 1, StartMethod::Fork).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(path.exists(), "the forked child removed its parent's arena {name}");
+    // And the parent can still hand out and send slots of it.
+    let again =
+        tensorshare::Storage::empty_shared_with(4096, tensorshare::SharingStrategy::FileSystem).unwrap();
+    assert!(again.segment_name().is_some());
+}
+
+/// A child forked from a process with named arenas (the file_system strategy) leaves their
+/// files alone when it forgets or frees what it inherited: they are its parent's.
+#[test]
+fn a_forked_child_leaves_its_parents_named_arenas_alone() {
+    common::isolated(named_arena_survives_the_child, StartMethod::Fork);
+}

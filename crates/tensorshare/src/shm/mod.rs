@@ -61,6 +61,10 @@ pub(crate) struct Segment {
     file: FileId,
     /// For a named segment that this process created: unlink it on drop.
     owned_name: Option<String>,
+    /// The process that created it: a child that inherited the segment through fork and
+    /// drops it (forgetting inherited arenas, or freeing what it inherited) must not remove
+    /// its parent's file.
+    creator: i32,
 }
 
 // SAFETY: the segment is a mapping of shared memory plus a file descriptor; neither is tied
@@ -198,7 +202,8 @@ impl Segment {
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| {
             Error::io("mmap of shared memory", std::io::Error::other("it returned address 0"))
         })?;
-        Ok(Segment { fd, ptr, len, id, file, owned_name })
+        let creator = rustix::process::getpid().as_raw_nonzero().get();
+        Ok(Segment { fd, ptr, len, id, file, owned_name, creator })
     }
 
     /// The first byte of the mapping.
@@ -287,7 +292,9 @@ impl Drop for Segment {
         // into it holds an `Arc<Segment>`, so nothing uses it any more.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
         if let Some(name) = &self.owned_name {
-            named::unlink(name);
+            if rustix::process::getpid().as_raw_nonzero().get() == self.creator {
+                named::unlink(name);
+            }
         }
     }
 }
