@@ -118,6 +118,21 @@ impl Tensor {
         Ok(t)
     }
 
+    /// A tensor on the meta device with explicit strides (in elements), as torch's
+    /// `empty_strided(..., device="meta")` makes: an error if `strides` has not one entry
+    /// per dimension, or the size overflows as [`Tensor::try_meta`] says.
+    pub fn try_meta_strided(shape: &[usize], strides: &[usize], dtype: DType) -> Result<Tensor> {
+        if strides.len() != shape.len() {
+            return Err(Error::invalid_argument(
+                "meta tensor strides",
+                format!("{} strides for {} dimensions", strides.len(), shape.len()),
+            ));
+        }
+        let mut t = Tensor::try_meta(shape, dtype)?;
+        t.strides = strides.to_vec();
+        Ok(t)
+    }
+
     /// A tensor viewing `storage` with explicit geometry; checked against the storage.
     pub fn from_storage(
         storage: Storage,

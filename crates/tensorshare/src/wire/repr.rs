@@ -133,7 +133,8 @@ impl<'de> Deserialize<'de> for Tensor {
                 if meta.device != Device::Meta {
                     return Err(super::de_error("a cpu tensor without data"));
                 }
-                let mut t = Tensor::try_meta(&meta.shape, meta.dtype).map_err(super::de_error)?;
+                let mut t = Tensor::try_meta_strided(&meta.shape, &meta.strides, meta.dtype)
+                    .map_err(super::de_error)?;
                 t.requires_grad = meta.requires_grad && meta.dtype.is_float();
                 t.kind = meta.kind;
                 Ok(t)
