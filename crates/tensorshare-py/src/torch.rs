@@ -82,12 +82,22 @@ fn with_registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
     f(guard.get_or_insert_with(Registry::default))
 }
 
-fn live<'py>(py: Python<'py>, map: &HashMap<usize, Py<PyWeakrefReference>>, addr: usize) -> Option<Bound<'py, PyAny>> {
+fn live<'py>(
+    py: Python<'py>,
+    map: &HashMap<usize, Py<PyWeakrefReference>>,
+    addr: usize,
+) -> Option<Bound<'py, PyAny>> {
     use pyo3::types::PyWeakrefMethods;
     map.get(&addr).and_then(|w| w.bind(py).upgrade())
 }
 
-fn insert(py: Python<'_>, registry: &mut Registry, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+fn insert(
+    py: Python<'_>,
+    registry: &mut Registry,
+    storage: bool,
+    addr: usize,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<()> {
     let weak = PyWeakrefReference::new(obj)?.unbind();
     let map = if storage { &mut registry.storages } else { &mut registry.blocks };
     map.insert(addr, weak);
@@ -121,7 +131,11 @@ pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, 
 }
 
 /// The torch storage over `block`, made (and recorded) when there is none yet.
-pub(crate) fn storage_of<'py>(py: Python<'py>, api: &Api, block: &Bound<'py, Block>) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn storage_of<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+) -> PyResult<Bound<'py, PyAny>> {
     let addr = block.get().storage.data_ptr();
     if let Some(s) = with_registry(|r| live(py, &r.storages, addr)) {
         return Ok(s);
@@ -154,7 +168,8 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     }
     let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
     let mut t = if obj.getattr(intern!(py, "is_meta"))?.extract::<bool>()? {
-        Tensor::try_meta(&shape, dtype).map_err(to_py)?
+        let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
+        Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
     } else {
         if !obj.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
             let device = obj.getattr(intern!(py, "device"))?;
@@ -211,11 +226,15 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
         Device::Cpu => {
             // No bytes: an empty tensor (a view of nothing), strides kept.
             kwargs.set_item(intern!(py, "dtype"), dtype)?;
-            py.import(intern!(py, "torch"))?.getattr(intern!(py, "empty_strided"))?.call((shape, strides), Some(&kwargs))?
+            py.import(intern!(py, "torch"))?
+                .getattr(intern!(py, "empty_strided"))?
+                .call((shape, strides), Some(&kwargs))?
         }
         Device::Meta => {
             kwargs.set_item(intern!(py, "device"), "meta")?;
-            py.import(intern!(py, "torch"))?.getattr(intern!(py, "empty_strided"))?.call((shape, strides), Some(&kwargs))?
+            py.import(intern!(py, "torch"))?
+                .getattr(intern!(py, "empty_strided"))?
+                .call((shape, strides), Some(&kwargs))?
         }
         Device::Cuda(i) => {
             return Err(PyRuntimeError::new_err(format!(

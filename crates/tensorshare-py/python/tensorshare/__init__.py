@@ -22,7 +22,10 @@ from ._native import (
     roundtrip,
     set_sharing_strategy,
 )
+from ._reduction import install_torch_hook as _install_torch_hook
 from ._reduction import new_block as _new_block
+
+_install_torch_hook()
 
 __all__ = [
     "Block",

@@ -69,11 +69,16 @@ def torch_storage(block):
 
 
 def move_into_block(t):
-    """Moves the storage of torch tensor ``t`` into a new block and returns the block: in
-    place, as torch's ``share_memory_()`` does, so every tensor viewing that storage follows
-    (or, where torch lacks the means, for ``t`` alone)."""
+    """Moves the storage of torch tensor ``t`` into a new block and returns the block (see
+    ``move_storage``)."""
+    return move_storage(t.untyped_storage(), t)
+
+
+def move_storage(storage, t=None):
+    """Moves the torch ``storage`` into a new block and returns the block: in place, as
+    torch's ``share_memory_()`` does, so every tensor viewing that storage follows (or, where
+    torch lacks the means, for the tensor ``t`` alone)."""
     torch = _torch()
-    storage = t.untyped_storage()
     block = new_block(storage.nbytes())
     if not storage.nbytes():
         return block
@@ -84,11 +89,78 @@ def move_into_block(t):
         # it mapped); `fresh` takes the old memory and frees it when it goes.
         storage._swap_data_ptr_(fresh)
         _native.register_storage(block.address, storage)
-    else:  # pragma: no cover - torch before 2.3
+    elif t is not None:  # pragma: no cover - torch before 2.3
         _native.register_storage(block.address, fresh)
         with torch.no_grad():
             t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+    else:  # pragma: no cover - torch before 2.3
+        raise RuntimeError("this torch cannot move a storage in place (torch >= 2.3 can)")
     return block
+
+
+def _is_ours(storage):
+    block = _native.find_block(storage.data_ptr())
+    return block is not None and block.nbytes >= storage.nbytes()
+
+
+def patch_torch(torch):
+    """Teaches torch that tensorshare's blocks are shared memory: ``is_shared()`` is True
+    for a storage in a block, and ``share_memory_()`` moves a CPU storage into a block (in
+    place, as torch's does) instead of into torch's own shared memory, so that a model's
+    ``share_memory()`` before forking workers, and sending it later, share one memory. A
+    storage torch had already put in its own shared memory stays there."""
+    cls = torch.UntypedStorage
+    if getattr(cls, "_tensorshare_patched", False):
+        return
+    torch_is_shared = cls.is_shared
+    torch_share_memory_ = cls.share_memory_
+
+    def is_shared(self):
+        return _is_ours(self) or torch_is_shared(self)
+
+    def share_memory_(self, *args, **kwargs):
+        if self.device.type != "cpu" or self.nbytes() == 0 or torch_is_shared(self):
+            return torch_share_memory_(self, *args, **kwargs)
+        if not _is_ours(self):
+            move_storage(self)
+        return self
+
+    is_shared.__doc__ = torch_is_shared.__doc__
+    share_memory_.__doc__ = torch_share_memory_.__doc__
+    cls.is_shared = is_shared
+    cls.share_memory_ = share_memory_
+    cls._tensorshare_patched = True
+
+
+class _TorchHook:
+    """Patches torch (``patch_torch``) as soon as it is imported, when tensorshare was
+    imported first."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch_torch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install_torch_hook():
+    torch = _torch()
+    if torch is not None:
+        patch_torch(torch)
+    elif not any(isinstance(f, _TorchHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchHook())
 
 
 def _block_of_torch(t):
@@ -167,6 +239,17 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
         if isinstance(obj, _native.Queue) or tensor_parts_cheap(obj):
             self._inner.append(obj)
             return len(self._inner) - 1
+        torch = _torch()
+        if torch is not None and isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            # A storage travels as a tensor over all of it, so it is shared, not copied.
+            typed = isinstance(obj, torch.TypedStorage)
+            untyped = obj._untyped_storage if typed else obj  # (TypedStorage's own getters warn)
+            if untyped.device.type != "cpu" or (typed and str(obj.dtype) not in _TORCH_NAMES):
+                return None
+            view = torch.empty(0, dtype=obj.dtype if typed else torch.uint8)
+            view.set_(untyped)
+            self._inner.append(view)
+            return ("storage", len(self._inner) - 1, typed)
         return None
 
 
@@ -193,8 +276,14 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         try:
+            if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage":
+                view = self._inner[pid[1]]
+                storage = view.untyped_storage()
+                if pid[2]:
+                    return _torch().TypedStorage(wrap_storage=storage, dtype=view.dtype, _internal=True)
+                return storage
             return self._inner[pid]
-        except (IndexError, TypeError):
+        except (IndexError, TypeError, AttributeError):
             raise pickle.UnpicklingError(f"a pickle named object {pid!r}, which its message lacks") from None
 
 

@@ -1,6 +1,8 @@
 """``spawn``, ``start_processes`` and ``ProcessContext``, as ``torch.multiprocessing``'s,
 over tensorshare contexts: ``fn`` may be a lambda or a closure."""
 
+import ctypes
+import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
@@ -10,6 +12,8 @@ import traceback
 import warnings
 
 from ._context import get_context
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ProcessContext",
@@ -53,7 +57,21 @@ class ProcessExitedException(ProcessException):
         return type(self), (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
 
 
+def _set_parent_death_signal(sig):
+    """Asks Linux to send ``sig`` to this process when the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``, as torch's children do), so that children do not outlive a
+    parent that dies; nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        pass
+
+
 def _wrap(fn, i, args, error_queue):
+    # SIGINT when the parent dies: KeyboardInterrupt, below, ends the process quietly.
+    _set_parent_death_signal(signal.SIGINT)
     try:
         fn(i, *args)
     except KeyboardInterrupt:
@@ -82,7 +100,9 @@ class ProcessContext:
 
     def join(self, timeout=None, grace_period=None):
         """Whether every process has ended (True) or not yet (False, after ``timeout``); a
-        failed process raises ``ProcessRaisedException`` or ``ProcessExitedException``."""
+        failed process raises ``ProcessRaisedException`` or ``ProcessExitedException``, once
+        the others have ended: they get ``grace_period`` seconds to end by themselves, then
+        SIGTERM and as long again (30 s without a grace period), then SIGKILL."""
         if len(self.sentinels) == 0:
             return True
         ready = multiprocessing.connection.wait(self.sentinels.keys(), timeout=timeout)
@@ -96,21 +116,30 @@ class ProcessContext:
                 break
         if error_index is None:
             return len(self.sentinels) == 0
-        # End the others: SIGTERM, a grace period, then SIGKILL.
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
+        # End the others: a grace period for them to end by themselves, then SIGTERM, another
+        # grace period (30 s without one), then SIGKILL.
         if grace_period is not None:
             self._join_procs_with_timeout(grace_period)
         for process in self.processes:
             if process.is_alive():
+                log.warning("Terminating process %s via signal SIGTERM", process.pid)
+                process.terminate()
+        self._join_procs_with_timeout(30 if grace_period is None else grace_period)
+        for process in self.processes:
+            if process.is_alive():
+                log.warning(
+                    "Unable to shutdown process %s via SIGTERM, forcefully exiting via SIGKILL", process.pid
+                )
                 process.kill()
             process.join()
         failed = self.processes[error_index]
         exitcode = failed.exitcode
         if self.error_queues[error_index].empty():
             if exitcode < 0:
-                name = signal.Signals(-exitcode).name
+                try:
+                    name = signal.Signals(-exitcode).name
+                except ValueError:  # a signal without a name (a real-time one)
+                    name = f"<Unknown signal {-exitcode}>"
                 raise ProcessExitedException(
                     f"process {error_index} terminated with signal {name}",
                     error_index=error_index,
