@@ -106,7 +106,7 @@ impl Block {
 /// A new block of `nbytes` in shared memory: a slot of an arena of the current sharing
 /// strategy. `MemoryError` when the system has no room (never a bus error later).
 #[pyfunction]
-fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
+pub(crate) fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
     let storage = py.detach(|| if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) });
     Ok(Block { storage: storage.map_err(to_py)? })
 }
@@ -132,6 +132,15 @@ fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bo
     let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
     torch::register_block(py, block)?;
     torch::storage_of(py, api, block)
+}
+
+/// Moves a CPU torch storage into a new block in place (as torch's `share_memory_()`, see
+/// `torch::move_storage`) and returns the block.
+#[pyfunction]
+fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Block>> {
+    let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
+    let nbytes: usize = storage.call_method0("nbytes")?.extract()?;
+    torch::move_storage(py, api, storage, nbytes)
 }
 
 /// Records `storage` as the torch storage over the block at `address` (after a storage was
@@ -174,6 +183,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(register_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;

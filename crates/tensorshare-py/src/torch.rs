@@ -184,11 +184,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let nbytes: usize = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
         let block = match find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes) {
             Some(b) => b,
-            None => py
-                .import(intern!(py, "tensorshare._reduction"))?
-                .call_method1(intern!(py, "move_into_block"), (obj,))?
-                .cast_into::<Block>()
-                .map_err(PyErr::from)?,
+            None => move_storage(py, api, &storage, nbytes)?,
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };
@@ -197,6 +193,36 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         t.set_kind(TensorKind::Parameter);
     }
     Ok(Some(Value::Tensor(t)))
+}
+
+/// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
+/// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it
+/// follows. Where torch cannot swap a storage's memory (before 2.3), `_reduction` does it for
+/// the one tensor being sent.
+pub(crate) fn move_storage<'py>(
+    py: Python<'py>,
+    api: &Api,
+    storage: &Bound<'py, PyAny>,
+    nbytes: usize,
+) -> PyResult<Bound<'py, Block>> {
+    let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
+    register_block(py, &block)?;
+    if nbytes == 0 {
+        return Ok(block);
+    }
+    if !storage.hasattr(intern!(py, "_swap_data_ptr_"))? {
+        return Err(PyRuntimeError::new_err("this torch cannot move a storage in place (torch >= 2.3 can)"));
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
+    let fresh = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?.call_method0(intern!(py, "untyped_storage"))?;
+    // torch copies (its own memory, under its own rules), then the storage takes the
+    // block's memory and the reference to the block that keeps it mapped; `fresh` takes the
+    // old memory and frees it when it goes.
+    fresh.call_method1(intern!(py, "copy_"), (storage,))?;
+    storage.call_method1(intern!(py, "_swap_data_ptr_"), (&fresh,))?;
+    register_storage(py, block.get().storage.data_ptr(), storage)?;
+    Ok(block)
 }
 
 /// A received tensor as a torch tensor over its block's torch storage.

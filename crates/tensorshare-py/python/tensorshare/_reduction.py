@@ -71,31 +71,13 @@ def torch_storage(block):
 def move_into_block(t):
     """Moves the storage of torch tensor ``t`` into a new block and returns the block (see
     ``move_storage``)."""
-    return move_storage(t.untyped_storage(), t)
+    return _native.move_storage(t.untyped_storage())
 
 
-def move_storage(storage, t=None):
-    """Moves the torch ``storage`` into a new block and returns the block: in place, as
-    torch's ``share_memory_()`` does, so every tensor viewing that storage follows (or, where
-    torch lacks the means, for the tensor ``t`` alone)."""
-    torch = _torch()
-    block = new_block(storage.nbytes())
-    if not storage.nbytes():
-        return block
-    fresh = torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
-    fresh.copy_(storage)
-    if hasattr(storage, "_swap_data_ptr_"):
-        # The storage takes the block's memory (and the reference to the block that keeps
-        # it mapped); `fresh` takes the old memory and frees it when it goes.
-        storage._swap_data_ptr_(fresh)
-        _native.register_storage(block.address, storage)
-    elif t is not None:  # pragma: no cover - torch before 2.3
-        _native.register_storage(block.address, fresh)
-        with torch.no_grad():
-            t.set_(fresh, t.storage_offset(), t.size(), t.stride())
-    else:  # pragma: no cover - torch before 2.3
-        raise RuntimeError("this torch cannot move a storage in place (torch >= 2.3 can)")
-    return block
+def move_storage(storage):
+    """Moves the CPU torch ``storage`` into a new block and returns the block: in place, as
+    torch's ``share_memory_()`` does, so every tensor viewing that storage follows."""
+    return _native.move_storage(storage)
 
 
 def _is_ours(storage):
