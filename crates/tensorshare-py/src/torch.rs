@@ -215,7 +215,11 @@ pub(crate) fn move_storage<'py>(
     }
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
-    let fresh = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?.call_method0(intern!(py, "untyped_storage"))?;
+    let fresh = api
+        .frombuffer
+        .bind(py)
+        .call((&block,), Some(&kwargs))?
+        .call_method0(intern!(py, "untyped_storage"))?;
     // torch copies (its own memory, under its own rules), then the storage takes the
     // block's memory and the reference to the block that keeps it mapped; `fresh` takes the
     // old memory and frees it when it goes.
