@@ -106,6 +106,9 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
     if let Ok(q) = obj.cast::<PyQueue>() {
         return Ok(q.get().value());
     }
+    if let Ok(c) = obj.cast::<crate::pipe::PyConnection>() {
+        return Ok(c.get().value()?);
+    }
     // tensorshare.multiprocessing's Queue and SimpleQueue (not JoinableQueue, whose
     // semaphores only travel by pickling) are the queue they wrap.
     let queues = py.import("tensorshare.multiprocessing._queues")?;
@@ -201,6 +204,7 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
         Value::Array(t) => rebuild(py, t, true)?,
         Value::Queue(q) => wrap_queue(py, PyQueue::from_queue(q), "Queue")?,
         Value::SimpleQueue(q) => wrap_queue(py, PyQueue::from_simple(q), "SimpleQueue")?,
+        Value::Connection(c) => Py::new(py, crate::pipe::PyConnection::from_connection(c))?.into_any(),
         Value::Object { pickle, tensors } => {
             let inner = tensors.into_iter().map(|v| from_value(py, v)).collect::<PyResult<Vec<_>>>()?;
             helpers(py)?.call_method1("loads", (PyBytes::new(py, &pickle), inner))?.unbind()

@@ -16,6 +16,7 @@ use pyo3::{create_exception, ffi};
 use tensorshare::{Error, Storage};
 
 mod convert;
+mod pipe;
 mod queue;
 mod torch;
 
@@ -178,6 +179,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tensorshare::set_helper_command(executable, args);
     m.add_class::<Block>()?;
     m.add_class::<queue::PyQueue>()?;
+    m.add_class::<pipe::PyConnection>()?;
+    m.add_function(wrap_pyfunction!(pipe::new_pipe, m)?)?;
     m.add_function(wrap_pyfunction!(empty_block, m)?)?;
     m.add_function(wrap_pyfunction!(new_block, m)?)?;
     m.add_function(wrap_pyfunction!(find_block, m)?)?;

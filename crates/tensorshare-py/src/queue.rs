@@ -285,7 +285,7 @@ impl PyQueue {
     /// Pickled only as an argument of a process being started (its descriptors then go to
     /// the child with it); inside tensorshare's own messages a queue travels as a handle.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        slf.py().import("tensorshare.multiprocessing._context")?.call_method1("reduce_native_queue", (slf,))
+        slf.py().import("tensorshare.multiprocessing._context")?.call_method1("reduce_native", (slf,))
     }
 
     fn __repr__(&self) -> String {

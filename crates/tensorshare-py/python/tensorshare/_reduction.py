@@ -218,7 +218,7 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
         self._inner = inner
 
     def persistent_id(self, obj):
-        if isinstance(obj, _native.Queue) or tensor_parts_cheap(obj):
+        if isinstance(obj, (_native.Queue, _native.Connection)) or tensor_parts_cheap(obj):
             self._inner.append(obj)
             return len(self._inner) - 1
         torch = _torch()

@@ -56,6 +56,7 @@ impl Value {
             Value::Array(_) => "an array",
             Value::Queue(_) | Value::SimpleQueue(_) => "a queue",
             Value::Object { .. } => "a pickled Python object",
+            Value::Connection(_) => "a pipe's end",
         }
     }
 }

@@ -13,6 +13,7 @@
 //! | `torch.Tensor` (also `Parameter`, `requires_grad`) | `Tensor` |
 //! | `numpy.ndarray` | `Array` |
 //! | a tensorshare queue | `Queue`, `SimpleQueue` |
+//! | an end of a tensorshare `Pipe()` | `Connection` |
 //! | anything else (a lambda, a class instance, a big `int`) | `Object`: pickled by value, tensors inside it travel beside the pickle as handles |
 //!
 //! Tensors travel as handles into shared memory, as everywhere in tensorshare: the receiver,
@@ -20,7 +21,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Queue, SimpleQueue, Tensor};
+use crate::{Connection, Queue, SimpleQueue, Tensor};
 
 pub(crate) mod bridge;
 mod de;
@@ -75,6 +76,8 @@ pub enum Value {
         /// The tensors and arrays it holds, in the order its persistent ids name them.
         tensors: Vec<Value>,
     },
+    /// One end of a pipe whose values are `Value`s (an end of Python's `Pipe()`).
+    Connection(Connection<Value>),
 }
 
 thread_local! {

@@ -4,7 +4,7 @@
 Everything ``multiprocessing`` offers is here under the same names, as in torch's module,
 with these differences, which are the point:
 
-- ``Queue``, ``SimpleQueue``, ``JoinableQueue``, ``Pool`` and every context from
+- ``Queue``, ``SimpleQueue``, ``JoinableQueue``, ``Pipe``, ``Pool`` and every context from
   ``get_context`` carry torch tensors and numpy arrays as handles into tensorshare arenas:
   a few descriptors per process in all, not one per storage; no ``/dev/shm`` file per tensor;
   messages that do not need their sender to stay alive; a clear ``MemoryError`` rather than a
@@ -88,6 +88,12 @@ def SimpleQueue():
 def JoinableQueue(maxsize=0):
     """A joinable queue of the default context."""
     return get_context().JoinableQueue(maxsize)
+
+
+def Pipe(duplex=True):
+    """A pair of connected ends (``(reader, writer)`` when not ``duplex``): tensors and arrays
+    travel as handles."""
+    return _native.new_pipe(duplex)
 
 
 def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):

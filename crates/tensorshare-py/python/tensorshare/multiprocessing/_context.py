@@ -110,19 +110,19 @@ class ForkServerProcess(ByValueMixin, multiprocessing.context.ForkServerProcess)
 _PROCESSES = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
 
 
-def reduce_native_queue(q):
-    """How a native queue is pickled outside tensorshare's own messages: only as an argument
-    of a process being started."""
-    return (_rebuild_native_queue, _export_for_child(q))
+def reduce_native(q):
+    """How a native queue or pipe end is pickled outside tensorshare's own messages: only
+    as an argument of a process being started."""
+    return (_rebuild_native, _export_for_child(q))
 
 
-def _rebuild_native_queue(data, dupfds):
+def _rebuild_native(data, dupfds):
     return _import_from_parent(data, dupfds)
 
 
 class TensorshareContext(multiprocessing.context.BaseContext):
     """A multiprocessing context (``get_context("spawn")`` and the rest) whose ``Queue``,
-    ``SimpleQueue``, ``JoinableQueue`` and ``Pool`` carry torch tensors and numpy arrays as
+    ``SimpleQueue``, ``JoinableQueue``, ``Pipe`` and ``Pool`` carry torch tensors and numpy arrays as
     handles into tensorshare arenas, and whose ``Process`` sends lambdas and closures. It is a
     ``BaseContext``, so ``DataLoader(..., multiprocessing_context=ctx)`` takes it."""
 
@@ -152,6 +152,9 @@ class TensorshareContext(multiprocessing.context.BaseContext):
 
     def JoinableQueue(self, maxsize=0):
         return _queues.JoinableQueue(maxsize, ctx=self)
+
+    def Pipe(self, duplex=True):
+        return _native.new_pipe(duplex)
 
     def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
         return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild, context=self)
