@@ -19,6 +19,7 @@ mod convert;
 mod pipe;
 mod queue;
 mod torch;
+mod wait;
 
 create_exception!(
     _native,

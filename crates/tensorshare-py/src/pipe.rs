@@ -4,7 +4,7 @@
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use pyo3::exceptions::{PyEOFError, PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -13,9 +13,7 @@ use tensorshare::{pipe, Connection, Error, Value};
 
 use crate::convert::{from_value, to_value};
 use crate::to_py;
-
-/// How long one wait lasts before Python gets to run its signal handlers (Ctrl-C).
-const SLICE: Duration = Duration::from_millis(100);
+use crate::wait::{deadline_of, next_slice, SLICE};
 
 /// An end of a pipe between processes, Python or Rust, whose values are Python values.
 #[pyclass(name = "Connection", module = "tensorshare._native", frozen)]
@@ -97,19 +95,9 @@ impl PyConnection {
             return Err(PyOSError::new_err("connection is write-only"));
         }
         let end = self.end()?;
-        let deadline = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => {
-                Some(Instant::now() + Duration::from_secs_f64(t.min(1e9)))
-            }
-            Some(t) => {
-                return Err(PyValueError::new_err(format!(
-                    "'timeout' must be a non-negative number, got {t}"
-                )))
-            }
-        };
+        let deadline = deadline_of(true, timeout)?;
         loop {
-            let slice = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
+            let slice = deadline.map_or(SLICE, next_slice);
             if py.detach(|| end.poll(slice)).map_err(to_py)? {
                 return Ok(true);
             }

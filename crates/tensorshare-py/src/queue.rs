@@ -14,9 +14,7 @@ use tensorshare::{Error, Message, Queue, SimpleQueue, Value};
 
 use crate::convert::{from_value, to_value};
 use crate::to_py;
-
-/// How long one wait lasts before Python gets to run its signal handlers (Ctrl-C).
-const SLICE: Duration = Duration::from_millis(100);
+use crate::wait::{deadline_of, next_slice, SLICE};
 
 #[derive(Clone)]
 enum Inner {
@@ -129,7 +127,7 @@ impl PyQueue {
         loop {
             let slice = match deadline {
                 None => SLICE,
-                Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+                Some(d) => next_slice(d),
             };
             let got =
                 py.detach(
@@ -163,19 +161,6 @@ fn wait_readable(fd: i32, timeout: Duration) {
     let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
     // SAFETY: `pfd` is a valid pollfd for the duration of the call, and the count is 1.
     unsafe { libc::poll(&mut pfd, 1, ms) };
-}
-
-fn deadline_of(block: bool, timeout: Option<f64>) -> PyResult<Option<Instant>> {
-    if !block {
-        return Ok(Some(Instant::now()));
-    }
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => {
-            Ok(Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))))
-        }
-        Some(t) => Err(PyValueError::new_err(format!("'timeout' must be a non-negative number, got {t}"))),
-    }
 }
 
 #[pymethods]
@@ -212,7 +197,7 @@ impl PyQueue {
         loop {
             let slice = match deadline {
                 None => SLICE,
-                Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+                Some(d) => next_slice(d),
             };
             let sent = py.detach(move || {
                 if slice.is_zero() { q.try_put(value) } else { q.put_timeout(value, slice) }.map_err(Box::new)
