@@ -109,6 +109,11 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
     if let Ok(c) = obj.cast::<crate::pipe::PyConnection>() {
         return Ok(c.get().value()?);
     }
+    if let Some(api) = crate::torch::api(py)? {
+        if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
+            return Ok(v);
+        }
+    }
     // tensorshare.multiprocessing's Queue and SimpleQueue (not JoinableQueue, whose
     // semaphores only travel by pickling) are the queue they wrap.
     let queues = py.import("tensorshare.multiprocessing._queues")?;
@@ -116,11 +121,6 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
         if obj.get_type().is(&queues.getattr(class)?) {
             let q = obj.getattr("_q")?;
             return Ok(q.cast::<PyQueue>().map_err(PyErr::from)?.get().value());
-        }
-    }
-    if let Some(api) = crate::torch::api(py)? {
-        if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
-            return Ok(v);
         }
     }
     let parts = helpers(py)?.call_method1("array_parts", (obj,))?;
