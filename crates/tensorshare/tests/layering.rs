@@ -44,6 +44,9 @@ const LAYERS: &[&[&str]] = &[
     &["wire"],
     // Queues and pipes between processes.
     &["channel"],
+    // The cross-language value (what a Python process exchanges), and messages for
+    // transports that are not ours.
+    &["value", "message"],
     // Workers, pools, the cleaner.
     &["process"],
     // Distributed communication on MPI (feature `mpi`): ranks of a job, above everything a

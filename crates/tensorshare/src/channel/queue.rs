@@ -15,6 +15,9 @@ use super::frame::{self, Outgoing};
 use super::outbox::Outbox;
 use super::socket::{self, Deadline};
 use crate::util::lock;
+// layering: inside value::to_value and from_value, a queue crosses as a queue of Values
+// through the value layer's bridge (which holds Values), not through the codec.
+use crate::value::{bridge, Value};
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
 
@@ -226,11 +229,9 @@ macro_rules! queue_type {
         impl<T> Serialize for $name<T> {
             fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
                 // Inside `value::to_value`, the queue becomes a `Value` queue: the same queue.
-                let bridged = crate::value::bridge::put(|| {
-                    crate::Value::$name($name { core: self.core.clone(), _t: PhantomData })
-                });
+                let bridged = bridge::put(|| Value::$name($name { core: self.core.clone(), _t: PhantomData }));
                 if let Some(index) = bridged {
-                    return s.serialize_newtype_struct(crate::value::bridge::TOKEN, &index);
+                    return s.serialize_newtype_struct(bridge::TOKEN, &index);
                 }
                 serialize_core(&self.core, s)
             }
@@ -239,11 +240,10 @@ macro_rules! queue_type {
         impl<'de, T> Deserialize<'de> for $name<T> {
             fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
                 // Inside `value::from_value`, a queue field takes the queue there.
-                if crate::value::bridge::active() {
-                    use crate::value::bridge;
+                if bridge::active() {
                     let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
                     return match bridge::take(index) {
-                        Some(crate::Value::$name(q)) => Ok($name { core: q.core, _t: PhantomData }),
+                        Some(Value::$name(q)) => Ok($name { core: q.core, _t: PhantomData }),
                         Some(other) => Err(wire::de_error(format!(
                             "{} where a {} was expected",
                             other.kind(),

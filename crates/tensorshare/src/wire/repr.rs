@@ -7,6 +7,10 @@ use super::bytes::{ByteBuf, Bytes};
 use crate::tensor::contiguous_strides;
 use crate::{DType, Device, NestedTensor, SparseLayout, SparseTensor, Storage, Tensor, TensorKind};
 
+// layering: inside value::to_value and from_value, a tensor crosses untouched through the
+// value layer's bridge (which holds Values), not through the codec.
+use crate::value::{bridge, Value};
+
 #[derive(Serialize, Deserialize)]
 struct Meta {
     dtype: DType,
@@ -38,8 +42,8 @@ enum TensorIn {
 impl Serialize for Tensor {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         // Inside `value::to_value`, the tensor stays a tensor.
-        if let Some(index) = crate::value::bridge::put(|| crate::Value::Tensor(self.clone())) {
-            return s.serialize_newtype_struct(crate::value::bridge::TOKEN, &index);
+        if let Some(index) = bridge::put(|| Value::Tensor(self.clone())) {
+            return s.serialize_newtype_struct(bridge::TOKEN, &index);
         }
         let meta = |strides: Vec<usize>, offset| Meta {
             dtype: self.dtype,
@@ -86,11 +90,10 @@ fn build(storage: Storage, m: Meta) -> crate::Result<Tensor> {
 impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tensor, D::Error> {
         // Inside `value::from_value`, a tensor field takes the tensor (or array) there.
-        if crate::value::bridge::active() {
-            use crate::value::bridge;
+        if bridge::active() {
             let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
             return match bridge::take(index) {
-                Some(crate::Value::Tensor(t) | crate::Value::Array(t)) => Ok(t),
+                Some(Value::Tensor(t) | Value::Array(t)) => Ok(t),
                 Some(other) => Err(super::de_error(format!("{} where a tensor was expected", other.kind()))),
                 None => Err(super::de_error("a bridged value taken twice")),
             };
