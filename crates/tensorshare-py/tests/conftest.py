@@ -1,6 +1,7 @@
 """Shared fixtures: start methods, sharing strategies, torch when it is installed, and a
 check that nothing is left in /dev/shm."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 
 START_METHODS = ["fork", "spawn", "forkserver"]
+LONG = 60  # seconds to wait for what a child should do at once: a bug fails, not hangs
 STRATEGIES = ["file_descriptor", "file_system"]
 
 
@@ -55,3 +57,19 @@ def run_python(code, timeout=120, env=None):
         timeout=timeout,
         env=full,
     )
+
+
+def method_of(ctx):
+    return ctx.get_start_method()
+
+
+@pytest.fixture(autouse=True)
+def no_child_left():
+    """Every child a test starts is joined by it: one still running after the test is
+    killed, and the test fails."""
+    yield
+    left = multiprocessing.active_children()
+    for p in left:
+        p.kill()
+        p.join(LONG)
+    assert left == [], f"children left running: {left}"

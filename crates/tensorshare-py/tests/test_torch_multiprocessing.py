@@ -10,7 +10,6 @@ cases are few and each does as much as it can.
 
 import ctypes
 import json
-import multiprocessing
 import os
 import resource
 import select
@@ -21,27 +20,9 @@ import pytest
 
 import tensorshare
 import tensorshare.multiprocessing as mp
-from conftest import STRATEGIES, import_torch, run_python
+from conftest import LONG, STRATEGIES, import_torch, method_of, run_python
 
 torch = import_torch()
-
-LONG = 60  # seconds to wait for what a child should do at once; a bug fails, not hangs
-
-
-def method_of(ctx):
-    return ctx.get_start_method()
-
-
-@pytest.fixture(autouse=True)
-def no_child_left():
-    """Every child a test starts is joined by it: one still running after the test is
-    killed, and the test fails."""
-    yield
-    left = multiprocessing.active_children()
-    for p in left:
-        p.kill()
-        p.join(LONG)
-    assert left == [], f"children left running: {left}"
 
 
 def mapping_of(address):

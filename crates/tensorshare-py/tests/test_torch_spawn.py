@@ -24,25 +24,7 @@ import time
 import pytest
 
 import tensorshare.multiprocessing as mp
-
-LONG = 60  # seconds a child waits for what the test never gives it, before giving up
-
-
-def method_of(ctx):
-    return ctx.get_start_method()
-
-
-@pytest.fixture(autouse=True)
-def no_child_left():
-    """Every child a test starts is joined by it: one still running after the test is
-    killed, and the test fails."""
-    yield
-    left = multiprocessing.active_children()
-    for p in left:
-        p.kill()
-        p.join(LONG)
-    assert left == [], f"children left running: {left}"
-
+from conftest import LONG, method_of
 
 # ---------------------------------------------------------------- children
 
