@@ -37,11 +37,12 @@ class _Writer:
         pass
 
 
-class SimpleQueue:
-    """``multiprocessing.SimpleQueue``: ``put`` never waits; tensors travel as handles."""
+class _Wrapper:
+    """What the queues share: the native queue, the ends multiprocessing's Pool reaches
+    for, and pickling as the native queue (a handle) plus the class."""
 
-    def __init__(self, *, ctx=None, _q=None):
-        self._q = _q if _q is not None else _native.Queue(simple=True)
+    def __init__(self, q, ctx):
+        self._q = q
         self._ctx = ctx
         self._setup()
 
@@ -54,12 +55,6 @@ class SimpleQueue:
     def __reduce__(self):
         return (_rebuild, (type(self), self._q))
 
-    def put(self, obj):
-        self._q.put(obj)
-
-    def get(self):
-        return self._q.get()
-
     def empty(self):
         return self._q.empty()
 
@@ -67,7 +62,7 @@ class SimpleQueue:
         self._closed = True
 
     def __repr__(self):
-        return f"<tensorshare SimpleQueue at fd {self._q.fileno()}>"
+        return f"<tensorshare {type(self).__name__} at fd {self._q.fileno()}>"
 
 
 def _rebuild(cls, q):
@@ -78,25 +73,26 @@ def _rebuild(cls, q):
     return obj
 
 
-class Queue:
+class SimpleQueue(_Wrapper):
+    """``multiprocessing.SimpleQueue``: ``put`` never waits; tensors travel as handles."""
+
+    def __init__(self, *, ctx=None):
+        super().__init__(_native.Queue(simple=True), ctx)
+
+    def put(self, obj):
+        self._q.put(obj)
+
+    def get(self):
+        return self._q.get()
+
+
+class Queue(_Wrapper):
     """``multiprocessing.Queue``: unbounded unless ``maxsize > 0``; tensors travel as
     handles. ``put`` hands the value to the queue before it returns (no feeder thread), so a
     sender may exit right after, and ``qsize`` is not offered (as on macOS)."""
 
-    def __init__(self, maxsize=0, *, ctx=None, _q=None):
-        self._q = _q if _q is not None else _native.Queue(maxsize)
-        self._maxsize = maxsize
-        self._ctx = ctx
-        self._setup()
-
-    def _setup(self):
-        self._reader = _Reader(self._q)
-        self._writer = _Writer(self._q)
-        self._rlock = threading.Lock()
-        self._closed = False
-
-    def __reduce__(self):
-        return (_rebuild, (type(self), self._q))
+    def __init__(self, maxsize=0, *, ctx=None):
+        super().__init__(_native.Queue(maxsize), ctx)
 
     def put(self, obj, block=True, timeout=None):
         if self._closed:
@@ -114,26 +110,17 @@ class Queue:
     def get_nowait(self):
         return self.get(False)
 
-    def empty(self):
-        return self._q.empty()
-
     def full(self):
         return False
 
     def qsize(self):
         raise NotImplementedError("a tensorshare queue does not count its values")
 
-    def close(self):
-        self._closed = True
-
     def join_thread(self):
         pass
 
     def cancel_join_thread(self):
         pass
-
-    def __repr__(self):
-        return f"<tensorshare Queue at fd {self._q.fileno()}>"
 
 
 class JoinableQueue(Queue):
@@ -171,7 +158,6 @@ def _rebuild_joinable(q, unfinished, cond):
     obj = JoinableQueue.__new__(JoinableQueue)
     obj._q = q
     obj._ctx = None
-    obj._maxsize = 0
     obj._unfinished_tasks = unfinished
     obj._cond = cond
     obj._setup()
