@@ -54,6 +54,8 @@ pub(crate) struct Control {
     /// This process's hold: (pid, a read-locked description of its own). A forked child
     /// shares its parent's description, and replaces it with one of its own.
     hold: Mutex<(i32, OwnedFd)>,
+    /// How long this process's receives on the queue poll awake (see `socket::Patience`).
+    patience: super::socket::Patience,
 }
 
 impl Control {
@@ -64,7 +66,7 @@ impl Control {
         // other process or handle has seen it yet: this plain write races with nothing.
         unsafe { seg.as_mut_ptr().add(MAGIC_AT).cast::<u64>().write(MAGIC) };
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
-        let c = Control { seg: Arc::new(seg), hold };
+        let c = Control { seg: Arc::new(seg), hold, patience: Default::default() };
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         c.counters().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
@@ -84,7 +86,7 @@ impl Control {
         }
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         drop(received);
-        Ok(Control { seg: Arc::new(seg), hold })
+        Ok(Control { seg: Arc::new(seg), hold, patience: Default::default() })
     }
 
     /// A message brought the queue to a process that holds it already: the message's hold
@@ -161,6 +163,11 @@ impl Control {
     /// The doorbell senders ring after each record and receivers watch while they poll.
     pub(crate) fn bell(&self) -> &Bell {
         &self.counters().bell.0
+    }
+
+    /// What a receive on the queue watches and learns while it polls awake.
+    pub(crate) fn awake(&self) -> super::socket::Awake<'_> {
+        super::socket::Awake { bell: self.bell(), patience: &self.patience }
     }
 
     /// Tells receivers polling awake that a record was written.

@@ -1,6 +1,7 @@
 //! Channels between processes: [`Queue`], [`SimpleQueue`], [`pipe`] / [`Connection`], over
 //! AF_UNIX SOCK_SEQPACKET sockets with descriptors passed alongside (SCM_RIGHTS).
 
+mod awake;
 mod control;
 mod err;
 mod fd;

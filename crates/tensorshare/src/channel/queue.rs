@@ -155,7 +155,7 @@ impl Core {
 
     fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
         let record =
-            socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others(), Some(self.control.bell()))?;
+            socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others(), Some(self.control.awake()))?;
         self.take(record)
     }
 

@@ -7,7 +7,6 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
@@ -17,6 +16,8 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
 };
 
+use super::awake::watch;
+pub(crate) use super::awake::{Awake, Bell, Patience};
 use super::frame::{Outgoing, MAX_FDS, MAX_INLINE};
 use crate::wire::Encoded;
 use crate::{Error, Result};
@@ -53,7 +54,7 @@ impl Deadline {
     }
 
     /// Whether the deadline has passed at `now`.
-    fn passed(&self, now: Instant) -> bool {
+    pub(super) fn passed(&self, now: Instant) -> bool {
         self.0.is_some_and(|d| now >= d)
     }
 
@@ -228,53 +229,6 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
     Ok(Received::Record(Record { bytes: bytes[..r.bytes].to_vec(), fds }))
 }
 
-/// A channel's doorbell, in memory every process holding the channel maps: senders bump
-/// `rung` after each record they write, and say on which CPU they ran. Peers may write
-/// anything here: it only decides when a receiver looks at the socket and whether it
-/// polls awake or sleeps.
-#[repr(C)]
-pub(crate) struct Bell {
-    rung: AtomicU32,
-    /// The CPU the last sender ran on (`u32::MAX`: unknown).
-    cpu: AtomicU32,
-}
-
-impl Bell {
-    /// Tells receivers polling awake that a record was written.
-    pub(crate) fn ring(&self) {
-        self.cpu.store(current_cpu(), Ordering::Relaxed);
-        self.rung.fetch_add(1, Ordering::Release);
-    }
-
-    /// Whether the last sender ran on this CPU: then polling awake would only keep it (if it
-    /// is to send next) from running.
-    fn sender_shares_this_cpu(&self) -> bool {
-        let cpu = current_cpu();
-        cpu != u32::MAX && self.cpu.load(Ordering::Relaxed) == cpu
-    }
-}
-
-fn current_cpu() -> u32 {
-    u32::try_from(rustix::thread::sched_getcpu()).unwrap_or(u32::MAX)
-}
-
-/// Spins until `bell` moves from `rung`, the spin window closes or the deadline passes.
-fn watch(bell: &Bell, rung: u32, until: Instant, deadline: Deadline) {
-    loop {
-        // Reading the clock costs more than a look at the word: look a few times per reading.
-        for _ in 0..32 {
-            if bell.rung.load(Ordering::Acquire) != rung {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-        let now = Instant::now();
-        if now >= until || deadline.passed(now) {
-            return;
-        }
-    }
-}
-
 /// Waits for a record until the deadline. `alive` says whether a writer can still exist;
 /// when it says no while nothing is waiting, the result is `Disconnected`.
 pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> bool) -> Result<Record> {
@@ -284,36 +238,52 @@ pub(crate) fn recv(fd: BorrowedFd<'_>, deadline: Deadline, alive: &dyn Fn() -> b
 /// [`recv`], telling apart a record that was taken off the socket but is no message (the
 /// inner error) from a receive that took nothing.
 ///
-/// `bell`, when the channel has one, is a word that every sender bumps after each record it
-/// writes (see `control`): while the receive polls awake it watches the word rather than
-/// asking the socket again and again, which costs a syscall each time and contends with the
-/// sender for the socket's lock; and when the last sender ran on this very CPU, it sleeps at
-/// once instead, so that the sender can run (two processes that share a CPU would otherwise
-/// take turns only when the spin gives up). The bell only says when to look and whether to
-/// stay awake: a peer that writes it causes a needless look or an early sleep, nothing else.
+/// `awake`, when the channel has a doorbell, is a word that every sender bumps after each
+/// record it writes (see `control`): while the receive polls awake it watches the word
+/// rather than asking the socket again and again, which costs a syscall each time and
+/// contends with the sender for the socket's lock; and when the last sender ran on this very
+/// CPU, it sleeps at once instead, so that the sender can run (two processes that share a CPU
+/// would otherwise take turns only when the spin gives up). The bell only says when to look
+/// and whether to stay awake: a peer that writes it causes a needless look or an early
+/// sleep, nothing else. How long such a receive polls awake is its handle's [`Patience`].
 pub(crate) fn recv_taken(
     fd: BorrowedFd<'_>,
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
-    bell: Option<&Bell>,
+    awake: Option<Awake<'_>>,
 ) -> Result<Result<Record>> {
+    let bell = awake.map(|a| a.bell);
     let mut spin_until = Instant::now() + SPIN;
-    let mut settled = false;
+    let mut yield_after = spin_until;
+    // When the first look found nothing (the wait the patience learns from).
+    let mut empty_since: Option<Instant> = None;
+    let learn = |since: Option<Instant>| {
+        if let (Some(a), Some(since)) = (awake, since) {
+            a.patience.learn(since.elapsed());
+        }
+    };
     loop {
         // Read before looking: a record written after the look rings after this read.
-        let rung = bell.map(|b| b.rung.load(Ordering::Acquire));
+        let rung = bell.map(Bell::rung);
         match try_recv(fd)? {
-            Received::Record(r) => return Ok(Ok(r)),
+            Received::Record(r) => {
+                learn(empty_since);
+                return Ok(Ok(r));
+            }
             Received::Bad(e) => return Ok(Err(e)),
             Received::Closed => return Err(Error::Disconnected),
             Received::Empty => {}
         }
-        if !settled {
+        if empty_since.is_none() {
             // Nothing to receive yet: time for what the last receive left for later.
+            let since = Instant::now();
+            empty_since = Some(since);
             crate::arena::idle();
-            settled = true;
             if bell.is_some_and(Bell::sender_shares_this_cpu) {
-                spin_until = Instant::now();
+                spin_until = since;
+            } else if let Some(a) = awake {
+                spin_until = since + a.patience.window();
+                yield_after = since + SPIN;
             }
             // A record that came meanwhile has rung the bell (read before the look), or
             // makes the poll below return at once: no second look needed here.
@@ -321,7 +291,7 @@ pub(crate) fn recv_taken(
         let now = Instant::now();
         if now < spin_until && !deadline.passed(now) {
             if let (Some(b), Some(rung)) = (bell, rung) {
-                watch(b, rung, spin_until, deadline);
+                watch(b, rung, spin_until, yield_after, deadline);
             } else {
                 std::hint::spin_loop();
             }
@@ -331,7 +301,10 @@ pub(crate) fn recv_taken(
         if !wait(fd, PollFlags::IN, slice)? && !alive() {
             // A record may have arrived just before the last writer went away.
             return match try_recv(fd)? {
-                Received::Record(r) => Ok(Ok(r)),
+                Received::Record(r) => {
+                    learn(empty_since);
+                    Ok(Ok(r))
+                }
                 Received::Bad(e) => Ok(Err(e)),
                 _ => Err(Error::Disconnected),
             };

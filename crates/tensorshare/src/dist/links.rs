@@ -44,6 +44,8 @@ pub(super) struct NodeLinks {
     /// By local rank; `None` for this rank.
     pub(super) peers: Vec<Option<Peer>>,
     pub(super) board: Board,
+    /// How long this rank's receives poll awake, per channel (see `socket::Patience`).
+    pub(super) patience: [socket::Patience; 2],
 }
 
 impl NodeLinks {
@@ -88,8 +90,9 @@ impl NodeLinks {
         during: &str,
     ) -> Result<T> {
         let (fd, rank) = self.fd(local, ch)?;
-        let bell = self.board.bell(self.me, ch as usize);
-        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| true, bell)
+        let awake = (self.board.bell(self.me, ch as usize))
+            .map(|bell| socket::Awake { bell, patience: &self.patience[ch as usize] });
+        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| true, awake)
             .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
         record.decode_received()
     }

@@ -50,7 +50,12 @@ struct Setup {
 pub(super) fn connect(local: &SimpleCommunicator, topo: &Topology) -> Result<NodeLinks> {
     let n = topo.local_world_size();
     if n == 1 {
-        return Ok(NodeLinks { me: 0, peers: vec![None], board: board::create(1)? });
+        return Ok(NodeLinks {
+            me: 0,
+            peers: vec![None],
+            board: board::create(1)?,
+            patience: Default::default(),
+        });
     }
     if topo.local_rank() == 0 {
         lead(local, topo, n)
@@ -84,7 +89,7 @@ fn lead(local: &SimpleCommunicator, topo: &Topology, n: usize) -> Result<NodeLin
         let conn: Connection<Setup> = Connection::from_socket(sock);
         conn.send(Setup { board: board.storage().clone(), links })?;
     }
-    Ok(NodeLinks { me: 0, peers: peers(topo, own), board })
+    Ok(NodeLinks { me: 0, peers: peers(topo, own), board, patience: Default::default() })
 }
 
 fn follow(local: &SimpleCommunicator, topo: &Topology, n: usize) -> Result<NodeLinks> {
@@ -130,7 +135,7 @@ fn follow(local: &SimpleCommunicator, topo: &Topology, n: usize) -> Result<NodeL
         )));
     }
     let board = Board::new(setup.board, n)?;
-    Ok(NodeLinks { me, peers: peers(topo, setup.links), board })
+    Ok(NodeLinks { me, peers: peers(topo, setup.links), board, patience: Default::default() })
 }
 
 /// The links of a setup as peers.
