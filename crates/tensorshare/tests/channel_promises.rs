@@ -201,3 +201,63 @@ fn a_receive_that_fails_at_the_descriptor_limit_frees_its_place() {
     assert_eq!(go.recv().unwrap(), "[2.0, 2.0, 2.0, 2.0]");
     assert_eq!(ctx.join(None), Ok(true));
 }
+
+/// `len` (Python's `qsize`) counts what every process put and took: the parent puts 3, a
+/// worker takes 1 and puts 2 more, on a bounded and on an unbounded queue; with more small
+/// values than the socket holds, those still on their way out of this process count too.
+/// Exact here, since nothing else uses the queue while it is asked.
+#[test]
+fn len_counts_what_every_process_put_and_took() {
+    for q in [Queue::<u32>::with_capacity(10).unwrap(), Queue::<u32>::new().unwrap()] {
+        assert_eq!((q.len(), q.is_empty()), (0, true));
+        for i in 0..3 {
+            q.put(i).unwrap();
+        }
+        assert_eq!((q.len(), q.is_empty()), (3, false));
+        let worker = |_rank, q: Queue<u32>| {
+            let first = q.get().unwrap();
+            q.put(first + 10).unwrap();
+            q.put(first + 20).unwrap();
+        };
+        let mut ctx = spawn(worker, q.clone(), 1).unwrap();
+        assert_eq!(ctx.join(None), Ok(true));
+        assert_eq!(q.len(), 4);
+        let mut got: Vec<u32> = (0..4).map(|_| q.get().unwrap()).collect();
+        got.sort();
+        assert_eq!(got, vec![1, 2, 10, 20]);
+        assert_eq!((q.len(), q.is_empty()), (0, true));
+    }
+    let q: Queue<u64> = Queue::new().unwrap();
+    for i in 0..5000 {
+        q.put(i).unwrap();
+    }
+    assert_eq!(q.len(), 5000);
+    for i in 0..5000 {
+        assert_eq!(q.get().unwrap(), i);
+    }
+    assert_eq!(q.len(), 0);
+}
+
+/// A count left one too high heals the next time the queue is seen empty, so that `while
+/// q.len() > 0` cannot spin for ever. A worker reads one record straight off the queue's
+/// socket, as a consumer killed between taking a record and counting it leaves things.
+#[test]
+fn a_count_left_too_high_heals_when_the_queue_is_seen_empty() {
+    let q: Queue<u32> = Queue::new().unwrap();
+    q.put(1).unwrap();
+    q.put(2).unwrap();
+    let worker = |_rank, q: Queue<u32>| {
+        let mut buf = [0u8; 256];
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&q.poll_fd());
+        // SAFETY: a valid descriptor and a buffer of the length given, live across the call.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        assert!(n > 0, "a record was waiting");
+    };
+    let mut ctx = spawn(worker, q.clone(), 1).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(q.len(), 2, "the count does not know the record went");
+    assert_eq!(q.get().unwrap(), 2);
+    assert_eq!((q.len(), q.is_empty()), (0, true), "seen empty: the count starts again");
+    q.put(3).unwrap();
+    assert_eq!(q.len(), 1);
+}

@@ -38,6 +38,9 @@ struct Counters {
     waiters: AtomicU32,
     /// The queue's capacity (UNBOUNDED: none).
     capacity: AtomicU32,
+    /// Values put and not yet taken, as producers and consumers say: only for `len`, which
+    /// is an estimate (see `Queue::len`); nothing else reads it.
+    queued: AtomicU32,
     /// On a cache line of its own: bumped after every record written to the queue, for
     /// receivers polling awake to watch (see `socket::recv_taken`).
     bell: BellLine,
@@ -175,6 +178,37 @@ impl Control {
         self.bell().ring();
     }
 
+    /// The queue's capacity, `None` if it has none.
+    pub(crate) fn capacity(&self) -> Option<usize> {
+        let c = self.counters().capacity.load(Ordering::Relaxed);
+        (c != UNBOUNDED).then_some(c as usize)
+    }
+
+    /// A value is about to be sent: counted before it can be taken, so that the count does
+    /// not run behind the queue.
+    pub(crate) fn count_put(&self) {
+        self.counters().queued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A value was taken (or a put failed): the count goes down, never below zero.
+    pub(crate) fn count_taken(&self) {
+        let _ =
+            self.counters().queued.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// How many values the count says wait. With `empty` (nothing waits in the queue's
+    /// socket, and nothing is on its way out from this process), the count starts again from
+    /// zero: a process killed between sending and counting, or between taking and
+    /// counting, leaves it off by one, and this is where that heals.
+    pub(crate) fn queued(&self, empty: bool) -> usize {
+        let q = &self.counters().queued;
+        if empty {
+            q.store(0, Ordering::Relaxed);
+            return 0;
+        }
+        q.load(Ordering::Relaxed) as usize
+    }
+
     /// Takes a place if one is free now (never waits).
     pub(crate) fn try_acquire(&self) -> bool {
         let b = self.counters();
@@ -203,8 +237,9 @@ impl Control {
             p = b.permits.load(Ordering::Acquire);
         }
         // A consumer usually frees a place within microseconds: wait for it awake first, as
-        // a sleep and a wake-up cost more than that.
-        let spin_until = std::time::Instant::now() + super::socket::SPIN;
+        // a sleep and a wake-up cost more than that; but no longer than the caller waits at
+        // all (`try_put` does not wait).
+        let spin_until = std::time::Instant::now() + super::socket::SPIN.min(slice);
         'spin: while p == 0 && std::time::Instant::now() < spin_until {
             // Reading the clock costs more than a look at the word: look a few times per
             // reading.

@@ -143,9 +143,16 @@ impl Core {
             let (core, control) = (Arc::downgrade(self), self.control.clone());
             Arc::new(move || core.strong_count() > 0 || control.others_alive())
         };
-        Outgoing::new(msg)
-            .and_then(|out| self.outbox.put(&self.tx, out, alive))
-            .inspect_err(|_| self.control.release())
+        self.control.count_put();
+        Outgoing::new(msg).and_then(|out| self.outbox.put(&self.tx, out, alive)).inspect_err(|_| {
+            self.control.count_taken();
+            self.control.release();
+        })
+    }
+
+    /// About how many values wait: see `Queue::len`.
+    fn len(&self) -> usize {
+        self.control.queued(self.is_empty() && !self.outbox.pending())
     }
 
     /// Whether no record waits in the queue's socket.
@@ -178,6 +185,7 @@ impl Core {
     /// A record taken off the queue, good or not: its place is free again, and it becomes
     /// a value (or an error, having closed what it carried).
     fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
+        self.control.count_taken();
         self.control.release();
         frame::decode(record?, true)
     }
@@ -272,6 +280,26 @@ macro_rules! queue_type {
             /// Takes the next value if one is waiting: `Ok(None)` if none is.
             pub fn try_get(&self) -> Result<Option<T>> {
                 self.core.try_get()
+            }
+
+            /// About how many values wait in the queue, put by any process and not yet
+            /// taken, as Python's `Queue.qsize()` gives it: an estimate, since other
+            /// processes put and take meanwhile (and a process killed in the middle of a
+            /// `put` or `get` leaves it one off until the queue is next seen empty).
+            /// Exact when nothing else is using the queue.
+            pub fn len(&self) -> usize {
+                self.core.len()
+            }
+
+            /// How many values the queue holds at most; `None` if it is unbounded.
+            pub fn capacity(&self) -> Option<usize> {
+                self.core.control.capacity()
+            }
+
+            /// Whether no value waits in the queue now (another process may put one the
+            /// next moment).
+            pub fn is_empty(&self) -> bool {
+                self.core.is_empty() && !self.core.outbox.pending()
             }
 
             /// A descriptor to wait on with `poll` or `epoll` (for an event loop, or
