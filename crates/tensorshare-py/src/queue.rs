@@ -27,7 +27,27 @@ enum Inner {
 pub struct PyQueue {
     inner: Inner,
     /// Values `poll` took off the queue, which this process's next `get`s return first.
-    stash: Mutex<VecDeque<Value>>,
+    stash: Stash,
+}
+
+/// Values `poll` took off a queue for the process that polled. A child forked meanwhile
+/// inherits a copy of them, which is not its own: the parent gets them. The child forgets
+/// its copy unopened (dropping it would give back holds the parent still has).
+#[derive(Default)]
+struct Stash(Mutex<(u32, VecDeque<Value>)>);
+
+impl Stash {
+    fn with<R>(&self, f: impl FnOnce(&mut VecDeque<Value>) -> R) -> R {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = std::process::id();
+        if g.0 != pid {
+            for v in std::mem::take(&mut g.1) {
+                std::mem::forget(v);
+            }
+            g.0 = pid;
+        }
+        f(&mut g.1)
+    }
 }
 
 /// Descriptors kept open until a child process has its copies (see [`export`]).
@@ -85,11 +105,11 @@ fn deadline_error(py: Python<'_>, class: &str) -> PyErr {
 
 impl PyQueue {
     pub(crate) fn from_queue(q: Queue<Value>) -> PyQueue {
-        PyQueue { inner: Inner::Queue(q), stash: Mutex::default() }
+        PyQueue { inner: Inner::Queue(q), stash: Stash::default() }
     }
 
     pub(crate) fn from_simple(q: SimpleQueue<Value>) -> PyQueue {
-        PyQueue { inner: Inner::Simple(q), stash: Mutex::default() }
+        PyQueue { inner: Inner::Simple(q), stash: Stash::default() }
     }
 
     /// This queue as a value (a handle to the same queue).
@@ -101,7 +121,7 @@ impl PyQueue {
     }
 
     fn stashed(&self) -> Option<Value> {
-        self.stash.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
+        self.stash.with(VecDeque::pop_front)
     }
 
     fn get_timeout(&self, t: Duration) -> tensorshare::Result<Value> {
@@ -178,7 +198,7 @@ impl PyQueue {
             let cap = usize::try_from(maxsize).map_err(|_| PyValueError::new_err("maxsize too large"))?;
             Inner::Queue(Queue::with_capacity(cap).map_err(to_py)?)
         };
-        Ok(PyQueue { inner, stash: Mutex::default() })
+        Ok(PyQueue { inner, stash: Stash::default() })
     }
 
     /// Puts `obj`: tensors and arrays travel as handles to shared memory (a tensor not yet in
@@ -235,16 +255,37 @@ impl PyQueue {
     /// value stays first in line for this process's next `get`.
     #[pyo3(signature = (timeout = 0.0))]
     fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        if !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        if !self.stash.with(|s| s.is_empty()) {
             return Ok(true);
         }
         match self.wait(py, deadline_of(true, timeout)?)? {
             Some(v) => {
-                self.stash.lock().unwrap_or_else(|p| p.into_inner()).push_back(v);
+                self.stash.with(|s| s.push_back(v));
                 Ok(true)
             }
             None => Ok(false),
         }
+    }
+
+    /// About how many values wait (Python's `qsize`): see `tensorshare::Queue::len`. Values
+    /// `poll` took off the queue for this process count too.
+    fn qsize(&self) -> usize {
+        let stashed = self.stash.with(|s| s.len());
+        stashed
+            + match &self.inner {
+                Inner::Queue(q) => q.len(),
+                Inner::Simple(q) => q.len(),
+            }
+    }
+
+    /// The queue's capacity, 0 when it has none (Python's `maxsize`).
+    #[getter]
+    fn maxsize(&self) -> usize {
+        match &self.inner {
+            Inner::Queue(q) => q.capacity(),
+            Inner::Simple(q) => q.capacity(),
+        }
+        .unwrap_or(0)
     }
 
     /// Whether no value is ready now.

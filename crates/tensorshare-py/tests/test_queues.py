@@ -221,6 +221,59 @@ def test_a_bounded_queue_raises_full():
     q.put(3)
 
 
+def _take_one_put_two(q):
+    first = q.get()
+    q.put(first + 10)
+    q.put(first + 20)
+
+
+@pytest.mark.parametrize("maxsize", [0, 8])
+def test_qsize_and_full_count_what_every_process_put_and_took(ctx, maxsize):
+    # multiprocessing.Queue's qsize, full and maxsize, with a child putting and taking.
+    q = ctx.Queue(maxsize)
+    assert (q.qsize(), q.empty(), q.full()) == (0, True, False)
+    for i in range(3):
+        q.put(i)
+    assert q.qsize() == 3
+    p = ctx.Process(target=_take_one_put_two, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert q.qsize() == 4
+    assert q._q.maxsize == maxsize
+    if maxsize:
+        for i in range(4):
+            q.put(100 + i)
+        assert q.full() and q.qsize() == 8
+    # A value poll (or empty) took off the queue for this process still counts.
+    assert not q.empty() and q._reader.poll(1) and q.qsize() == (8 if maxsize else 4)
+    got = sorted(q.get() for _ in range(q.qsize()))
+    assert got[:4] == [1, 2, 10, 20]
+    assert (q.qsize(), q.empty(), q.full()) == (0, True, False)
+
+
+def _get_into(q, out):
+    out.put(q.get())
+
+
+def test_a_value_empty_took_for_the_parent_is_not_a_forked_childs():
+    # empty() and poll() take the next value off the queue for this process; a child forked
+    # afterwards inherited a copy of it, and got it a second time.
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    q.put("first")
+    q.put("second")
+    assert not q.empty()
+    p = ctx.Process(target=_get_into, args=(q, out))
+    p.start()
+    assert out.get(timeout=60) == "second"
+    p.join(60)
+    assert p.exitcode == 0
+    assert q.get(timeout=1) == "first" and q.empty()
+
+
 def test_a_sender_may_exit_before_the_receiver_gets(ctx):
     torch = import_torch()
     q = ctx.Queue()

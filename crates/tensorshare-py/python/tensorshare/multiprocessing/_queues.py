@@ -89,7 +89,7 @@ class SimpleQueue(_Wrapper):
 class Queue(_Wrapper):
     """``multiprocessing.Queue``: unbounded unless ``maxsize > 0``; tensors travel as
     handles. ``put`` hands the value to the queue before it returns (no feeder thread), so a
-    sender may exit right after, and ``qsize`` is not offered (as on macOS)."""
+    sender may exit right after. ``qsize`` is an estimate, as Python's is."""
 
     def __init__(self, maxsize=0, *, ctx=None):
         super().__init__(_native.Queue(maxsize), ctx)
@@ -111,10 +111,11 @@ class Queue(_Wrapper):
         return self.get(False)
 
     def full(self):
-        return False
+        maxsize = self._q.maxsize
+        return maxsize > 0 and self._q.qsize() >= maxsize
 
     def qsize(self):
-        raise NotImplementedError("a tensorshare queue does not count its values")
+        return self._q.qsize()
 
     def join_thread(self):
         pass
