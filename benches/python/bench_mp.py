@@ -292,6 +292,9 @@ def plan(quick):
             add(f"stream {name} (ts empty_shared)", "stream", "GBps", (size, tc), (size, sc), sv="shared")
     tm, sm = (10, 100) if quick else (30, 300)
     add("batch 100 x 1 KiB", "batch", "tensors_per_s", (KIB, 100, tm), (KIB, 100, sm), target=100)
+    if not quick:
+        label = "batch 100 x 1 KiB (ts empty_shared)"
+        add(label, "batch", "tensors_per_s", (KIB, 100, tm), (KIB, 100, sm), sv="shared")
     for n in (1,) if quick else (1, 8):
         add(f"spawn {n}", "spawn", "seconds", (n,))
     # (samples, fields, floats per field, batch size, workers)

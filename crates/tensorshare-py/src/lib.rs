@@ -136,6 +136,18 @@ fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bo
     torch::storage_of(py, api, block)
 }
 
+/// A torch tensor of `shape` (a tuple) and `dtype` over a new block, or None where the
+/// Python side makes it (see `torch::empty_shared`; torch must be imported).
+#[pyfunction]
+fn empty_shared_tensor<'py>(
+    py: Python<'py>,
+    shape: &Bound<'py, pyo3::types::PyTuple>,
+    dtype: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
+    torch::empty_shared(py, api, shape, dtype)
+}
+
 /// Moves a CPU torch storage into a new block in place (as torch's `share_memory_()`, see
 /// `torch::move_storage`) and returns the block.
 #[pyfunction]
@@ -188,6 +200,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(register_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;

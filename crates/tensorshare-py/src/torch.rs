@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
@@ -146,6 +146,43 @@ pub(crate) fn storage_of<'py>(
     let storage = base.call_method0(intern!(py, "untyped_storage"))?;
     register_storage(py, addr, &storage)?;
     Ok(storage)
+}
+
+/// `tensorshare.empty_shared(shape, dtype)`: a torch tensor of `shape` over a new block,
+/// made in one call. `None` for a dtype tensorshare does not have and for no bytes at all
+/// (the Python side makes those).
+pub(crate) fn empty_shared<'py>(
+    py: Python<'py>,
+    api: &Api,
+    shape: &Bound<'py, PyTuple>,
+    dtype: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(dtype)) else { return Ok(None) };
+    let dims: Vec<usize> = shape.extract()?;
+    let nbytes = dims
+        .iter()
+        .try_fold(DType::ALL[k].size(), |acc, &n| acc.checked_mul(n))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| PyValueError::new_err(format!("a tensor of shape {dims:?} is too large")))?;
+    if nbytes == 0 {
+        return Ok(None);
+    }
+    let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
+    register_block(py, &block)?;
+    // The tensor over the whole block, typed at once; its storage is the block's torch
+    // storage from now on (one per block, as `storage_of` keeps it).
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(intern!(py, "dtype"), dtype)?;
+    let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
+    register_storage(
+        py,
+        block.get().storage.data_ptr(),
+        &flat.call_method0(intern!(py, "untyped_storage"))?,
+    )?;
+    if dims.len() == 1 {
+        return Ok(Some(flat));
+    }
+    Ok(Some(flat.call_method1(intern!(py, "view"), (shape,))?))
 }
 
 /// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels

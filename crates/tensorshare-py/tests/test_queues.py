@@ -147,6 +147,32 @@ def test_every_torch_dtype_travels():
     assert torch.equal(tensorshare.roundtrip(c), c)
 
 
+def test_empty_shared_makes_tensors_that_travel_without_a_copy(ctx):
+    torch = import_torch()
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int64, torch.complex64]
+    for dtype in dtypes:
+        for shape in [(5,), (2, 3, 4), (0, 3)]:
+            t = tensorshare.empty_shared(shape, dtype)
+            assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+            if t.numel() == 0:
+                continue
+            assert t.is_shared()
+            if dtype == torch.complex64:
+                continue  # no tensorshare dtype: made in shared memory, but sent pickled
+            # Sent (here, to this process) as a handle: the very same memory, one storage.
+            got = tensorshare.roundtrip([t, t[1:]])
+            assert all(g.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for g in got)
+            assert got[1].storage_offset() == t[1:].storage_offset()
+    t = tensorshare.empty_shared((4, 2))
+    t.zero_()
+    q = ctx.Queue()
+    p = ctx.Process(target=_fill, args=(q, 6.0))
+    p.start()
+    q.put(t)
+    p.join(60)
+    assert p.exitcode == 0 and float(t.sum()) == 48.0
+
+
 def test_non_leaf_tensors_that_require_grad_are_refused_as_torch_does():
     torch = import_torch()
     x = torch.ones(3, requires_grad=True)

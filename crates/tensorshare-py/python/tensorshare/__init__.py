@@ -51,6 +51,9 @@ def empty_shared(shape, dtype=None):
 
     dtype = dtype or torch.get_default_dtype()
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    t = _native.empty_shared_tensor(shape, dtype)
+    if t is not None:
+        return t
     numel = 1
     for n in shape:
         numel *= n
