@@ -166,6 +166,11 @@ impl Arena {
             slot_size.checked_mul(nslots).and_then(|d| d.checked_add(DATA_OFFSET)).ok_or_else(too_large)?;
         let n32 = u32::try_from(nslots).map_err(|_| too_large())?;
         let seg = Segment::create(len, strategy)?;
+        if nslots == 1 {
+            // A large storage, about to be filled or copied into whole. (A size class's arena
+            // is filled slot by slot, maybe never whole: its pages are mapped as touched.)
+            seg.populate();
+        }
         // SAFETY: the segment is at least DATA_OFFSET bytes, page-aligned, and no other
         // process or handle has seen it yet, so these plain writes race with nothing.
         unsafe {

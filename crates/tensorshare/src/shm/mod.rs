@@ -94,7 +94,7 @@ impl Segment {
                 seal(&fd)?;
                 let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat of a new memfd", e))?;
                 let id = SegmentId::Inode { dev: st.st_dev, ino: st.st_ino };
-                Segment::map(fd, len, id, (st.st_dev, st.st_ino), None).map(Segment::populated)
+                Segment::map(fd, len, id, (st.st_dev, st.st_ino), None)
             }
             SharingStrategy::FileSystem => {
                 let (fd, name) = named::create_exclusive()?;
@@ -110,24 +110,24 @@ impl Segment {
                         return Err(e);
                     }
                 };
-                Segment::map(fd, len, SegmentId::Name(name.clone()), file, Some(name)).map(Segment::populated)
+                Segment::map(fd, len, SegmentId::Name(name.clone()), file, Some(name))
             }
         }
     }
 
     /// Maps every page of a segment this process just made in one call, instead of one page
-    /// fault per page at first touch: `reserve` already allocated and zeroed the pages, and
-    /// whoever made the segment is about to write it. On this machine's VM that makes a
-    /// 64 MiB arena ready to fill in about 40 ms instead of 47. Only a hint: a kernel older
-    /// than 5.14 refuses it, and the pages are then mapped lazily as before.
-    fn populated(self) -> Segment {
+    /// fault per page at first touch, for a segment its maker is about to write whole (a
+    /// large storage's one-slot arena): `reserve` already allocated and zeroed the pages.
+    /// On this machine's VM that makes a 64 MiB arena ready to fill in about 40 ms instead
+    /// of 47. Only a hint: a kernel older than 5.14 refuses it, and the pages are then
+    /// mapped lazily as before.
+    pub(crate) fn populate(&self) {
         // SAFETY: the range is this segment's own live mapping; MADV_POPULATE_WRITE only
         // faults its pages in (writable, contents unchanged) and changes no byte, so no
         // Rust object can observe it.
         let _ = unsafe {
             rustix::mm::madvise(self.ptr.as_ptr().cast(), self.len, rustix::mm::Advice::LinuxPopulateWrite)
         };
-        self
     }
 
     /// Maps a memfd received from another process. `min_len` is the size the sender
