@@ -31,22 +31,29 @@ pub struct PyQueue {
 }
 
 /// Values `poll` took off a queue for the process that polled. A child forked meanwhile
-/// inherits a copy of them, which is not its own: the parent gets them. The child forgets
-/// its copy unopened (dropping it would give back holds the parent still has).
+/// inherits a copy of them, which is not its own: the parent gets them, so the child lets
+/// its copy go (the core makes dropping values inherited through fork harmless to the
+/// parent's holds). The process is asked only when there is something stashed.
 #[derive(Default)]
 struct Stash(Mutex<(u32, VecDeque<Value>)>);
 
 impl Stash {
     fn with<R>(&self, f: impl FnOnce(&mut VecDeque<Value>) -> R) -> R {
         let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let pid = std::process::id();
-        if g.0 != pid {
-            for v in std::mem::take(&mut g.1) {
-                std::mem::forget(v);
-            }
-            g.0 = pid;
+        if !g.1.is_empty() && g.0 != std::process::id() {
+            g.1.clear();
         }
         f(&mut g.1)
+    }
+
+    fn push(&self, v: Value) {
+        let pid = std::process::id();
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if g.0 != pid {
+            g.1.clear();
+            g.0 = pid;
+        }
+        g.1.push_back(v);
     }
 }
 
@@ -260,7 +267,7 @@ impl PyQueue {
         }
         match self.wait(py, deadline_of(true, timeout)?)? {
             Some(v) => {
-                self.stash.with(|s| s.push_back(v));
+                self.stash.push(v);
                 Ok(true)
             }
             None => Ok(false),
@@ -276,6 +283,14 @@ impl PyQueue {
                 Inner::Queue(q) => q.len(),
                 Inner::Simple(q) => q.len(),
             }
+    }
+
+    /// Whether a bounded queue has no free place now (a `put` would wait).
+    fn full(&self) -> bool {
+        match &self.inner {
+            Inner::Queue(q) => q.is_full(),
+            Inner::Simple(q) => q.is_full(),
+        }
     }
 
     /// The queue's capacity, 0 when it has none (Python's `maxsize`).

@@ -226,6 +226,18 @@ fn len_counts_what_every_process_put_and_took() {
         got.sort();
         assert_eq!(got, vec![1, 2, 10, 20]);
         assert_eq!((q.len(), q.is_empty()), (0, true));
+        if q.capacity() == Some(10) {
+            for i in 0..10 {
+                assert!(!q.is_full());
+                q.put(i).unwrap();
+            }
+            assert!(q.is_full() && q.len() == 10);
+            q.get().unwrap();
+            assert!(!q.is_full());
+        } else {
+            assert_eq!(q.capacity(), None);
+            assert!(!q.is_full());
+        }
     }
     let q: Queue<u64> = Queue::new().unwrap();
     for i in 0..5000 {

@@ -9,7 +9,8 @@ use super::socket::{Deadline, SPIN};
 /// The longest a receive that has a [`Patience`] polls awake before it sleeps.
 const PATIENCE_MAX: Duration = Duration::from_micros(500);
 /// While polling awake longer than `SPIN`, a receive offers its CPU to anything else that is
-/// ready to run on it this often (`sched_yield`), so its polling costs other work nothing.
+/// ready to run on it this often (`sched_yield`), so that its polling costs other work
+/// little (it still keeps its own CPU busy).
 const YIELD_EVERY: Duration = Duration::from_micros(5);
 
 /// What a channel with a doorbell gives a receive: the bell, and the receiving handle's
@@ -55,19 +56,19 @@ fn current_cpu() -> u32 {
     u32::try_from(rustix::thread::sched_getcpu()).unwrap_or(u32::MAX)
 }
 
-/// How long one receiving handle polls awake before it sleeps, learnt from how long its
-/// records have taken to come. Private to the process: no peer can make it spin longer.
+/// How long a queue's receives poll awake in this process before they sleep, learnt from
+/// how long records have taken to come. Private to the process: no peer can make it spin
+/// longer.
 ///
 /// A fixed window fails both ways. Where the other side takes a little longer than the
-/// window for each turn (a Python peer building a fresh tensor takes 50–60 µs here), every
-/// record costs a sleep and a wake-up, and a process that sleeps between turns runs its next
-/// turn 2–3 times slower (on this machine's VM, the virtual CPU is halted and resumes cold),
-/// so the turns grow further out of the window and stay there. A long fixed window would
-/// burn a CPU in every idle consumer. So the window follows the waits, as adaptive mutexes
-/// do: about twice the recent waits that ended soon, at least [`SPIN`] and at most
-/// [`PATIENCE_MAX`]; a wait much longer than that shrinks it again (polling would not have
-/// caught it). Beyond `SPIN` the poller yields its CPU every [`YIELD_EVERY`], so that it
-/// delays nothing else that is ready to run there.
+/// window for each turn (a Python peer building a fresh tensor does), every record costs a
+/// sleep and a wake-up; and a process woken from sleep runs its next turn slower (on a
+/// virtual machine, its virtual CPU was halted and resumes cold), so the turns stay out of
+/// the window. A long fixed window would burn a CPU in every idle consumer. So the window
+/// follows the waits, as adaptive mutexes do: about twice the recent waits that ended soon,
+/// at least [`SPIN`] and at most [`PATIENCE_MAX`]; a wait much longer than that shrinks it
+/// again (polling would not have caught it). Beyond `SPIN` the poller yields its CPU every
+/// [`YIELD_EVERY`], so that it delays little else that is ready to run there.
 pub(crate) struct Patience {
     window_ns: AtomicU64,
 }

@@ -173,8 +173,10 @@ impl Control {
         super::socket::Awake { bell: self.bell(), patience: &self.patience }
     }
 
-    /// Tells receivers polling awake that a record was written.
+    /// A record was written to the queue's socket: it counts (see `queued`), and receivers
+    /// polling awake are told.
     pub(crate) fn ring(&self) {
+        self.counters().queued.fetch_add(1, Ordering::Relaxed);
         self.bell().ring();
     }
 
@@ -184,26 +186,27 @@ impl Control {
         (c != UNBOUNDED).then_some(c as usize)
     }
 
-    /// A value is about to be sent: counted before it can be taken, so that the count does
-    /// not run behind the queue.
-    pub(crate) fn count_put(&self) {
-        self.counters().queued.fetch_add(1, Ordering::Relaxed);
+    /// Whether a bounded queue has no free place now (a `put` would wait).
+    pub(crate) fn is_full(&self) -> bool {
+        self.counters().permits.load(Ordering::Relaxed) == 0
     }
 
-    /// A value was taken (or a put failed): the count goes down, never below zero.
+    /// A record was taken off the queue's socket: the count goes down, never below zero.
     pub(crate) fn count_taken(&self) {
         let _ =
             self.counters().queued.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 
-    /// How many values the count says wait. With `empty` (nothing waits in the queue's
-    /// socket, and nothing is on its way out from this process), the count starts again from
-    /// zero: a process killed between sending and counting, or between taking and
-    /// counting, leaves it off by one, and this is where that heals.
-    pub(crate) fn queued(&self, empty: bool) -> usize {
+    /// How many records the count says wait in the queue's socket: senders count a record
+    /// after writing it, takers after taking it. A taker quick enough to come first has its
+    /// decrement absorbed at zero, and a process killed between a write or a take and its
+    /// count leaves one too many; when `empty` says the socket is empty, and no record was
+    /// counted since the count was read, the count starts again from zero. So the count is
+    /// high by the races in progress and those left by the dead, never low for long.
+    pub(crate) fn queued(&self, empty: impl FnOnce() -> bool) -> usize {
         let q = &self.counters().queued;
-        if empty {
-            q.store(0, Ordering::Relaxed);
+        let n = q.load(Ordering::Relaxed);
+        if n > 0 && empty() && q.compare_exchange(n, 0, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
             return 0;
         }
         q.load(Ordering::Relaxed) as usize
@@ -256,6 +259,9 @@ impl Control {
                 return true;
             }
             if p == 0 {
+                if slice.is_zero() {
+                    return false; // `try_put`: no sleep, and no waiter for a release to wake
+                }
                 b.waiters.fetch_add(1, Ordering::SeqCst);
                 let ts = rustix::thread::futex::Timespec {
                     tv_sec: slice.as_secs() as i64,

@@ -42,6 +42,8 @@ struct State {
     records: VecDeque<Outgoing>,
     /// A feeder thread runs (it may hold the front record outside the lock).
     feeding: bool,
+    /// The feeder holds a record it has not written yet.
+    in_hand: bool,
     /// Why the feeder gave up: every record since is refused with it.
     failed: Option<FeedError>,
 }
@@ -73,6 +75,15 @@ impl Outbox {
             let st = self.state();
             st.feeding || !st.records.is_empty()
         }
+    }
+
+    /// How many records of this process wait to be written.
+    pub(crate) fn waiting(&self) -> usize {
+        if !self.own() {
+            return 0;
+        }
+        let st = self.state();
+        st.records.len() + usize::from(st.in_hand)
     }
 
     /// Sends `out` now if the socket has room and nothing of ours waits before it;
@@ -138,7 +149,13 @@ impl Outbox {
     /// what they held).
     fn feed(&self, tx: &OwnedFd, alive: &(dyn Fn() -> bool + Send + Sync)) {
         loop {
-            let Some(mut out) = self.state().records.pop_front() else {
+            let popped = {
+                let mut st = self.state();
+                let out = st.records.pop_front();
+                st.in_hand = out.is_some();
+                out
+            };
+            let Some(mut out) = popped else {
                 let mut st = self.state();
                 if st.records.is_empty() {
                     st.feeding = false;
@@ -150,7 +167,9 @@ impl Outbox {
             let sent = loop {
                 match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
                     Ok(()) => {
+                        // Counted (by the ring) before it stops counting as in hand.
                         self.control.ring();
+                        self.state().in_hand = false;
                         break true;
                     }
                     Err(Errno::AGAIN) => {}
@@ -170,6 +189,7 @@ impl Outbox {
             };
             if !sent {
                 let mut st = self.state();
+                st.in_hand = false;
                 st.records.clear();
                 st.failed = Some(FeedError::Disconnected);
                 st.feeding = false;

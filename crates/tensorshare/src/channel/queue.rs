@@ -143,16 +143,14 @@ impl Core {
             let (core, control) = (Arc::downgrade(self), self.control.clone());
             Arc::new(move || core.strong_count() > 0 || control.others_alive())
         };
-        self.control.count_put();
-        Outgoing::new(msg).and_then(|out| self.outbox.put(&self.tx, out, alive)).inspect_err(|_| {
-            self.control.count_taken();
-            self.control.release();
-        })
+        Outgoing::new(msg)
+            .and_then(|out| self.outbox.put(&self.tx, out, alive))
+            .inspect_err(|_| self.control.release())
     }
 
     /// About how many values wait: see `Queue::len`.
     fn len(&self) -> usize {
-        self.control.queued(self.is_empty() && !self.outbox.pending())
+        self.control.queued(|| self.is_empty() && !self.outbox.pending()) + self.outbox.waiting()
     }
 
     /// Whether no record waits in the queue's socket.
@@ -283,12 +281,20 @@ macro_rules! queue_type {
             }
 
             /// About how many values wait in the queue, put by any process and not yet
-            /// taken, as Python's `Queue.qsize()` gives it: an estimate, since other
-            /// processes put and take meanwhile (and a process killed in the middle of a
-            /// `put` or `get` leaves it one off until the queue is next seen empty).
-            /// Exact when nothing else is using the queue.
+            /// taken, as Python's `Queue.qsize()` gives it: an estimate while other
+            /// processes put and take (it can be high by the puts and gets in progress, and
+            /// by one for a process killed in the middle of one, until the queue is next
+            /// seen empty), and values still waiting in another process's outbox (an
+            /// unbounded queue whose socket is full) count once written. Exact when
+            /// nothing else is using the queue.
             pub fn len(&self) -> usize {
                 self.core.len()
+            }
+
+            /// Whether a bounded queue has no free place now, so that `put` would wait
+            /// (never, for an unbounded queue or a `SimpleQueue`).
+            pub fn is_full(&self) -> bool {
+                self.core.control.is_full()
             }
 
             /// How many values the queue holds at most; `None` if it is unbounded.

@@ -275,10 +275,11 @@ pub(crate) fn recv_taken(
             Received::Empty => {}
         }
         if empty_since.is_none() {
-            // Nothing to receive yet: time for what the last receive left for later.
+            // Nothing to receive yet: time for what the last receive left for later. The
+            // wait, and the window, start after it: it is this process's work, not waiting.
+            crate::arena::idle();
             let since = Instant::now();
             empty_since = Some(since);
-            crate::arena::idle();
             if bell.is_some_and(Bell::sender_shares_this_cpu) {
                 spin_until = since;
             } else if let Some(a) = awake {

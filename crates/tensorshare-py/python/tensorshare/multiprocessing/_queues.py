@@ -111,8 +111,7 @@ class Queue(_Wrapper):
         return self.get(False)
 
     def full(self):
-        maxsize = self._q.maxsize
-        return maxsize > 0 and self._q.qsize() >= maxsize
+        return self._q.full()
 
     def qsize(self):
         return self._q.qsize()
