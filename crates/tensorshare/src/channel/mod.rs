@@ -9,6 +9,7 @@ mod frame;
 mod outbox;
 mod pipe;
 mod queue;
+mod queue_core;
 pub(crate) mod socket;
 
 pub use err::SendError;
@@ -20,5 +21,5 @@ pub use queue::{Queue, SimpleQueue};
 /// In a forked worker, before its job: forgets the queues its parent had, whose sockets the
 /// worker does not keep (see `process::fork`); a queue it receives is then its own.
 pub(crate) fn forget_after_fork() {
-    queue::forget_registry();
+    queue_core::forget_registry();
 }

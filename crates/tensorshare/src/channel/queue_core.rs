@@ -1,0 +1,210 @@
+//! The state a process keeps for one queue, shared by all its handles there: the socket
+//! ends, the control block, the outbox, and how a queue crosses in a message.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::control::Control;
+use super::err::SendError;
+use super::frame::{self, Outgoing};
+use super::outbox::Outbox;
+use super::socket::{self, Deadline};
+use crate::util::lock;
+use crate::wire::{self, FdSource};
+use crate::{Error, Result};
+
+/// The process-wide state of one queue: its two socket ends, its control block and this
+/// process's outbox. Every handle of the queue in this process shares it.
+pub(crate) struct Core {
+    /// Producers write here.
+    tx: Arc<OwnedFd>,
+    /// Consumers read here.
+    pub(super) rx: Arc<OwnedFd>,
+    pub(super) control: Arc<Control>,
+    pub(super) outbox: Arc<Outbox>,
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.outbox.flush_at_drop();
+    }
+}
+
+type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
+
+fn registry() -> &'static Registry {
+    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    R.get_or_init(|| {
+        crate::util::fork::guard(|out| out.push(Box::new(lock(registry()))));
+        Mutex::default()
+    })
+}
+
+/// Drops this process's record of which queues it has (see `channel::forget_after_fork`).
+pub(crate) fn forget_registry() {
+    lock(registry()).clear();
+}
+
+impl Core {
+    pub(super) fn create(capacity: Option<u32>) -> Result<Arc<Core>> {
+        let (tx, rx) = socket::pair()?;
+        let control = Control::create(capacity)?;
+        let id = control.id()?;
+        let control = Arc::new(control);
+        let core = Arc::new(Core {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            outbox: Arc::new(Outbox::new(control.clone())),
+            control,
+        });
+        let mut reg = lock(registry());
+        reg.retain(|_, w| w.strong_count() > 0);
+        reg.insert(id, Arc::downgrade(&core));
+        Ok(core)
+    }
+
+    /// The queue received in a message: this process's existing core if it has one.
+    fn adopt(tx: OwnedFd, rx: OwnedFd, ctl: OwnedFd) -> Result<Arc<Core>> {
+        let st = rustix::fs::fstat(&ctl).map_err(|e| Error::io("fstat of a queue's memfd", e))?;
+        let id = (st.st_dev, st.st_ino);
+        let mut reg = lock(registry());
+        if let Some(core) = reg.get(&id).and_then(Weak::upgrade) {
+            drop((tx, rx));
+            core.control.take_over(ctl)?;
+            return Ok(core);
+        }
+        for fd in [&tx, &rx] {
+            let st = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat of a queue's socket", e))?;
+            if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+                return Err(Error::invalid("a queue endpoint that is not a socket"));
+            }
+        }
+        let control = Arc::new(Control::open(ctl)?);
+        let core = Arc::new(Core {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            outbox: Arc::new(Outbox::new(control.clone())),
+            control,
+        });
+        reg.insert(id, Arc::downgrade(&core));
+        Ok(core)
+    }
+
+    /// Whether anyone but the caller's handle could still put or get: another handle in
+    /// this process, another process holding the queue, or this process's own records
+    /// still on their way out.
+    fn others(self: &Arc<Core>) -> bool {
+        Arc::strong_count(self) > 1 || self.control.others_alive() || self.outbox.pending()
+    }
+
+    pub(super) fn put<T: Serialize>(
+        self: &Arc<Core>,
+        value: T,
+        deadline: Deadline,
+    ) -> std::result::Result<(), SendError<T>> {
+        self.put_ref(&value, deadline).map_err(|e| SendError::new(value, e))
+    }
+
+    fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
+        let msg = wire::encode(value)?;
+        // A free place (an unbounded queue always has one): no syscall.
+        let mut placed = self.control.try_acquire();
+        // Whether the queue was empty when the current wait began; asked only once a wait
+        // has failed, so that a producer that finds the queue full pays no syscall for it.
+        let mut empty_before = false;
+        while !placed {
+            // Try once even when the deadline has passed (try_put, a zero timeout).
+            let slice = deadline.slice();
+            if self.control.acquire(slice.unwrap_or_default()) {
+                placed = true;
+                continue;
+            }
+            if slice.is_none() {
+                return Err(Error::Timeout);
+            }
+            if !self.others() {
+                return Err(Error::Disconnected);
+            }
+            // No place for a whole slice, and the queue was empty all along: the places
+            // were lost (a consumer died holding one), not taken.
+            let empty = self.is_empty() && !self.outbox.pending();
+            self.control.restore_places(empty_before && empty);
+            empty_before = empty;
+        }
+        let alive = || -> super::outbox::Alive {
+            let (core, control) = (Arc::downgrade(self), self.control.clone());
+            Arc::new(move || core.strong_count() > 0 || control.others_alive())
+        };
+        Outgoing::new(msg)
+            .and_then(|out| self.outbox.put(&self.tx, out, alive))
+            .inspect_err(|_| self.control.release())
+    }
+
+    /// About how many values wait: see `Queue::len`.
+    pub(super) fn len(&self) -> usize {
+        self.control.queued(|| self.is_empty() && !self.outbox.pending()) + self.outbox.waiting()
+    }
+
+    /// Whether no record waits in the queue's socket.
+    pub(super) fn is_empty(&self) -> bool {
+        !socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true)
+    }
+
+    pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
+        let record =
+            socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others(), Some(self.control.awake()))?;
+        self.take(record)
+    }
+
+    pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
+        let record = match socket::try_recv(self.rx.as_fd())? {
+            socket::Received::Record(r) => Ok(r),
+            socket::Received::Bad(e) => Err(e),
+            socket::Received::Closed => return Err(Error::Disconnected),
+            socket::Received::Empty if self.others() => return Ok(None),
+            // Alone: nothing more can come, but a record may have arrived just now.
+            socket::Received::Empty => match socket::try_recv(self.rx.as_fd())? {
+                socket::Received::Record(r) => Ok(r),
+                socket::Received::Bad(e) => Err(e),
+                _ => return Err(Error::Disconnected),
+            },
+        };
+        self.take(record).map(Some)
+    }
+
+    /// A record taken off the queue, good or not: its place is free again, and it becomes
+    /// a value (or an error, having closed what it carried).
+    fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
+        self.control.count_taken();
+        self.control.release();
+        frame::decode(record?, true)
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct CoreRepr {
+    tx: u32,
+    rx: u32,
+    ctl: u32,
+}
+
+pub(super) fn serialize_core<S: Serializer>(core: &Core, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if !wire::encoding() {
+        return Err(wire::ser_error("a queue can only travel inside a tensorshare message"));
+    }
+    let fd = |f: &Arc<OwnedFd>| wire::encode_fd(FdSource::Fd(f.clone())).map_err(wire::ser_error);
+    let hold = core.control.in_flight_hold().map_err(wire::ser_error)?;
+    let ctl = wire::encode_fd(FdSource::Owned(hold)).map_err(wire::ser_error)?;
+    CoreRepr { tx: fd(&core.tx)?, rx: fd(&core.rx)?, ctl }.serialize(s)
+}
+
+pub(super) fn deserialize_core<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Arc<Core>, D::Error> {
+    let r = CoreRepr::deserialize(d)?;
+    let fd = |i| wire::decode_fd(i).map_err(wire::de_error);
+    Core::adopt(fd(r.tx)?, fd(r.rx)?, fd(r.ctl)?).map_err(wire::de_error)
+}
