@@ -110,7 +110,7 @@ macro_rules! queue_type {
             /// Whether no value waits in the queue now (another process may put one the
             /// next moment).
             pub fn is_empty(&self) -> bool {
-                self.core.is_empty() && !self.core.outbox.pending()
+                self.core.drained()
             }
 
             /// A descriptor to wait on with `poll` or `epoll` (for an event loop, or

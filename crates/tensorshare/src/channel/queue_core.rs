@@ -132,7 +132,7 @@ impl Core {
             }
             // No place for a whole slice, and the queue was empty all along: the places
             // were lost (a consumer died holding one), not taken.
-            let empty = self.is_empty() && !self.outbox.pending();
+            let empty = self.drained();
             self.control.restore_places(empty_before && empty);
             empty_before = empty;
         }
@@ -147,12 +147,15 @@ impl Core {
 
     /// About how many values wait: see `Queue::len`.
     pub(super) fn len(&self) -> usize {
-        self.control.queued(|| self.is_empty() && !self.outbox.pending()) + self.outbox.waiting()
+        self.control.queued(|| self.drained()) + self.outbox.waiting()
     }
 
-    /// Whether no record waits in the queue's socket.
-    pub(super) fn is_empty(&self) -> bool {
-        !socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true)
+    /// Whether no record waits in the queue's socket and none of this process's is on its
+    /// way out.
+    pub(super) fn drained(&self) -> bool {
+        let socket_empty =
+            !socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true);
+        socket_empty && !self.outbox.pending()
     }
 
     pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
