@@ -33,6 +33,14 @@ pub(crate) struct Api {
     empty: Py<PyAny>,
     frombuffer: Py<PyAny>,
     uint8: Py<PyAny>,
+    untyped_storage: Py<PyAny>,
+    cpu: Py<PyAny>,
+    /// `data_ptr`, `nbytes` and `device` of `torch._C.StorageBase`, the C type under every
+    /// torch storage: its attributes cannot be replaced from Python (the type is immutable),
+    /// so what these report comes from torch, whatever a program did to torch's classes.
+    storage_data_ptr: Py<PyAny>,
+    storage_nbytes: Py<PyAny>,
+    storage_device: Py<PyAny>,
 }
 
 static API: PyOnceLock<Api> = PyOnceLock::new();
@@ -48,6 +56,7 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     }
     API.get_or_try_init(py, || {
         let torch = py.import("torch")?;
+        let storage_base = torch.getattr("_C")?.getattr("StorageBase")?;
         let dtypes = DType::ALL
             .iter()
             .map(|d| torch.getattr(d.torch_name()).map(Bound::unbind))
@@ -59,6 +68,11 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             uint8: torch.getattr("uint8")?.unbind(),
             empty: torch.getattr("empty")?.unbind(),
             frombuffer: torch.getattr("frombuffer")?.unbind(),
+            untyped_storage: torch.getattr("UntypedStorage")?.unbind(),
+            cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
+            storage_data_ptr: storage_base.getattr("data_ptr")?.unbind(),
+            storage_nbytes: storage_base.getattr("nbytes")?.unbind(),
+            storage_device: storage_base.getattr("device")?.unbind(),
             dtypes,
         })
     })
@@ -232,6 +246,11 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     Ok(Some(Value::Tensor(t)))
 }
 
+/// Storages of up to this many bytes are copied into their block here (see [`copy_here`]);
+/// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
+/// (about 2 µs) only small storages notice.
+const COPY_HERE_MAX: usize = 64 * 1024;
+
 /// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
 /// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it
 /// follows. Where torch cannot swap a storage's memory (before 2.3), `_reduction` does it for
@@ -257,13 +276,83 @@ pub(crate) fn move_storage<'py>(
         .bind(py)
         .call((&block,), Some(&kwargs))?
         .call_method0(intern!(py, "untyped_storage"))?;
-    // torch copies (its own memory, under its own rules), then the storage takes the
-    // block's memory and the reference to the block that keeps it mapped; `fresh` takes the
-    // old memory and frees it when it goes.
-    fresh.call_method1(intern!(py, "copy_"), (storage,))?;
+    // The bytes are copied (here when small, else by torch under its own rules), then the
+    // storage takes the block's memory and the reference to the block that keeps it mapped;
+    // `fresh` takes the old memory and frees it when it goes.
+    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, storage, block.get())?) {
+        fresh.call_method1(intern!(py, "copy_"), (storage,))?;
+    }
     storage.call_method1(intern!(py, "_swap_data_ptr_"), (&fresh,))?;
     register_storage(py, block.get().storage.data_ptr(), storage)?;
     Ok(block)
+}
+
+/// Copies the bytes of `storage` into `block`, which was made for them and is not yet
+/// visible to anyone else, when `storage` is a CPU `torch.UntypedStorage` exactly as long
+/// as the block; `false` (nothing done) otherwise, and torch copies.
+fn copy_here(py: Python<'_>, api: &Api, storage: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> {
+    // An exact `torch.UntypedStorage` is a `torch._C.StorageBase`, whose own C methods are
+    // asked, not whatever its Python class may have been given since.
+    if !storage.get_type().is(api.untyped_storage.bind(py))
+        || !api
+            .storage_device
+            .bind(py)
+            .call_method1(intern!(py, "__get__"), (storage,))?
+            .eq(api.cpu.bind(py))?
+    {
+        return Ok(false);
+    }
+    let len: usize = api.storage_nbytes.bind(py).call1((storage,))?.extract()?;
+    // Read last, in C, with the GIL held from here to the end of the copy: no Python code
+    // runs in between, so none can resize or free the storage meanwhile.
+    let addr: usize = api.storage_data_ptr.bind(py).call1((storage,))?.extract()?;
+    let dst = block.storage.as_mut_ptr();
+    if addr == 0 || len != block.storage.len() {
+        return Ok(false);
+    }
+    // SAFETY: `addr..addr + len` is the host memory of a live CPU storage, as torch's C
+    // methods reported it just now: this function holds a strong reference to the storage,
+    // so torch does not free that memory, and the GIL has been held since the report, so no
+    // Python code has resized or freed it. (A torch operation running in another thread
+    // without the GIL that resizes this very storage would free the memory under torch's
+    // own `copy_` just the same; torch leaves that race to its users.) The bytes are read
+    // with volatile loads of plain integers, which accept any bit pattern and assume nothing
+    // about other users of the memory: a concurrent writer gives torn bytes, as it would to
+    // torch's copy. `dst..dst + len` is the block's memory, `len` bytes mapped while `block`
+    // lives, in a block made for this move that no other handle, thread or process has yet,
+    // and it cannot overlap torch's allocation.
+    unsafe { copy_volatile(addr as *const u8, dst, len) };
+    Ok(true)
+}
+
+/// Copies `len` bytes from `src` to `dst` with volatile loads: aligned 8-byte words, and
+/// single bytes at the ends, so that no load leaves `src..src + len`.
+///
+/// # Safety
+/// `src..src + len` must be readable and `dst..dst + len` writable for the call, and no one
+/// else may access `dst..dst + len` meanwhile; the ranges must not overlap.
+unsafe fn copy_volatile(src: *const u8, dst: *mut u8, len: usize) {
+    const WORD: usize = std::mem::size_of::<u64>();
+    let head = (src.align_offset(WORD)).min(len);
+    let words = (len - head) / WORD;
+    let mut i = 0;
+    while i < len {
+        let whole_word = i >= head && i < head + words * WORD;
+        // SAFETY: `i < len`, so `src + i` and `dst + i` are in the caller's ranges; a whole
+        // word is read only from `i = head + k * WORD`, where `src + i` is 8-byte aligned and
+        // its 8 bytes end by `head + words * WORD <= len`; `dst` may be unaligned, so the
+        // word is written unaligned.
+        unsafe {
+            if whole_word {
+                let w = src.add(i).cast::<u64>().read_volatile();
+                dst.add(i).cast::<u64>().write_unaligned(w);
+                i += WORD;
+            } else {
+                dst.add(i).write(src.add(i).read_volatile());
+                i += 1;
+            }
+        }
+    }
 }
 
 /// A received tensor as a torch tensor over its block's torch storage.

@@ -219,6 +219,38 @@ def test_a_child_writes_what_the_parent_sees(ctx, strategy):
     assert torch.all(t == 4.0)
 
 
+# Sizes on either side of the word (8 bytes) and of the largest storage copied into its block
+# by tensorshare rather than by torch (64 KiB), at every alignment of the storage's first byte.
+_MOVE_SIZES = [1, 7, 8, 9, 13, 1024, 65535, 65536, 65537, 200_000]
+_MOVE_OFFSETS = [0, 1, 3, 5, 8]
+
+
+def test_moving_a_storage_keeps_every_byte_at_every_size_and_alignment(ctx):
+    torch = import_torch()
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo, args=(q_in, q_out))
+    p.start()
+    pattern = bytes((i * 131 + 7) % 251 for i in range(max(_MOVE_SIZES) + max(_MOVE_OFFSETS)))
+    for n in _MOVE_SIZES:
+        for offset in _MOVE_OFFSETS:
+            # A storage over a bytearray, starting `offset` bytes into it: its first byte lies
+            # at any alignment, and its last byte ends wherever `n` puts it.
+            t = torch.frombuffer(bytearray(pattern), dtype=torch.uint8, offset=offset, count=n)
+            assert t.untyped_storage().nbytes() == n
+            q_in.put(t)
+            got = q_out.get(timeout=60)
+            want = pattern[offset : offset + n]
+            # The sender's storage moved into shared memory with its bytes, and the child got
+            # (and sent back) that same memory.
+            assert t.untyped_storage().is_shared(), (n, offset)
+            assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), (n, offset)
+            assert bytes(t.numpy()) == want, (n, offset)
+            assert bytes(got.numpy()) == want, (n, offset)
+    q_in.put(None)
+    p.join(60)
+    assert p.exitcode == 0
+
+
 def test_get_timeout_and_nowait_raise_empty():
     import tensorshare.multiprocessing as mp
 
