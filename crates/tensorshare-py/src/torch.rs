@@ -374,10 +374,23 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                     b
                 }
             };
-            let storage = storage_of(py, api, &block)?;
-            let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
-            out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
-            out
+            // The first tensor over a block that it covers whole, flat (what a producer's
+            // fresh tensor most often is): one call makes both the block's torch storage and
+            // the tensor, as `empty_shared` does, instead of three.
+            let whole = t.shape().len() == 1
+                && t.strides() == [1]
+                && t.storage_offset() == 0
+                && t.shape()[0].checked_mul(t.dtype().size()) == Some(block.get().storage.len());
+            if whole && with_registry(|r| live(py, &r.storages, addr)).is_none() {
+                let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
+                register_storage(py, addr, &flat.call_method0(intern!(py, "untyped_storage"))?)?;
+                flat
+            } else {
+                let storage = storage_of(py, api, &block)?;
+                let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
+                out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
+                out
+            }
         }
         Device::Cpu => {
             // No bytes: an empty tensor (a view of nothing), strides kept.

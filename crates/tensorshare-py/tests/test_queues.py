@@ -251,6 +251,36 @@ def test_moving_a_storage_keeps_every_byte_at_every_size_and_alignment(ctx):
     assert p.exitcode == 0
 
 
+def _flat_then_view(q_in, q_out):
+    import torch
+
+    a = q_in.get()  # flat, over the whole of its block: the first tensor over it here
+    b = q_in.get()  # a view of the same storage, in a later message
+    p = q_in.get()  # a flat Parameter over a block of its own
+    same = a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    b[0] = 7.0
+    param = isinstance(p, torch.nn.Parameter) and p.requires_grad
+    q_out.put((same, a._is_view(), a.shape, param, a))
+
+
+def test_a_whole_flat_tensor_received_first_keeps_its_storage_for_later_views(ctx):
+    torch = import_torch()
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_flat_then_view, args=(q_in, q_out))
+    p.start()
+    x = torch.zeros(8)
+    q_in.put(x)
+    q_in.put(x[2:5])
+    q_in.put(torch.nn.Parameter(torch.ones(4)))
+    same, is_view, shape, param, back = q_out.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    # One torch storage per block in the child too, so the view's write reached x.
+    assert same and not is_view and shape == (8,) and param
+    assert x[2] == 7.0
+    assert back.untyped_storage()._cdata == x.untyped_storage()._cdata
+
+
 def test_get_timeout_and_nowait_raise_empty():
     import tensorshare.multiprocessing as mp
 
