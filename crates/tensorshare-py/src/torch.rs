@@ -154,12 +154,24 @@ pub(crate) fn storage_of<'py>(
     if let Some(s) = with_registry(|r| live(py, &r.storages, addr)) {
         return Ok(s);
     }
+    Ok(flat_over(py, api, block, api.uint8.bind(py))?.1)
+}
+
+/// A flat tensor of `dtype` over the whole of `block`, made in one call, and its storage,
+/// recorded as the block's torch storage from now on (one per block, as `storage_of` keeps
+/// it). Only for a block that has none yet.
+fn flat_over<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+    dtype: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
-    let base = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
-    let storage = base.call_method0(intern!(py, "untyped_storage"))?;
-    register_storage(py, addr, &storage)?;
-    Ok(storage)
+    kwargs.set_item(intern!(py, "dtype"), dtype)?;
+    let flat = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
+    let storage = flat.call_method0(intern!(py, "untyped_storage"))?;
+    register_storage(py, block.get().storage.data_ptr(), &storage)?;
+    Ok((flat, storage))
 }
 
 /// `tensorshare.empty_shared(shape, dtype)`: a torch tensor of `shape` over a new block,
@@ -183,16 +195,7 @@ pub(crate) fn empty_shared<'py>(
     }
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     register_block(py, &block)?;
-    // The tensor over the whole block, typed at once; its storage is the block's torch
-    // storage from now on (one per block, as `storage_of` keeps it).
-    let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "dtype"), dtype)?;
-    let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
-    register_storage(
-        py,
-        block.get().storage.data_ptr(),
-        &flat.call_method0(intern!(py, "untyped_storage"))?,
-    )?;
+    let (flat, _) = flat_over(py, api, &block, dtype)?;
     if dims.len() == 1 {
         return Ok(Some(flat));
     }
@@ -381,15 +384,17 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                 && t.strides() == [1]
                 && t.storage_offset() == 0
                 && t.shape()[0].checked_mul(t.dtype().size()) == Some(block.get().storage.len());
-            if whole && with_registry(|r| live(py, &r.storages, addr)).is_none() {
-                let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
-                register_storage(py, addr, &flat.call_method0(intern!(py, "untyped_storage"))?)?;
-                flat
-            } else {
-                let storage = storage_of(py, api, &block)?;
-                let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
-                out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
-                out
+            match with_registry(|r| live(py, &r.storages, addr)) {
+                None if whole => flat_over(py, api, &block, dtype)?.0,
+                known => {
+                    let storage = match known {
+                        Some(s) => s,
+                        None => flat_over(py, api, &block, api.uint8.bind(py))?.1,
+                    };
+                    let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
+                    out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
+                    out
+                }
             }
         }
         Device::Cpu => {
