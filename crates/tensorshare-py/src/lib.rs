@@ -16,6 +16,7 @@ use pyo3::{create_exception, ffi};
 use tensorshare::{Error, Storage};
 
 mod convert;
+mod descr;
 mod pipe;
 mod queue;
 mod torch;

@@ -12,10 +12,11 @@ use std::sync::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyDict, PyTuple, PyType, PyWeakrefReference};
 use pyo3::{intern, IntoPyObjectExt};
 use tensorshare::{DType, Device, Tensor, TensorKind, Value};
 
+use crate::descr::{Getter, Method};
 use crate::{to_py, Block};
 
 /// What torch's own queues say of a non-leaf tensor that requires grad.
@@ -35,12 +36,59 @@ pub(crate) struct Api {
     uint8: Py<PyAny>,
     untyped_storage: Py<PyAny>,
     cpu: Py<PyAny>,
-    /// `data_ptr`, `nbytes` and `device` of `torch._C.StorageBase`, the C type under every
-    /// torch storage: its attributes cannot be replaced from Python (the type is immutable),
-    /// so what these report comes from torch, whatever a program did to torch's classes.
-    storage_data_ptr: Py<PyAny>,
-    storage_nbytes: Py<PyAny>,
-    storage_device: Py<PyAny>,
+    /// A tensor's attributes and methods, from `torch._C.TensorBase`, the C type under every
+    /// torch tensor (see [`crate::descr`]).
+    t: TensorAccess,
+    /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage: its
+    /// attributes cannot be replaced from Python (the type is immutable), so what these
+    /// report comes from torch, whatever a program did to torch's classes.
+    storage_data_ptr: Method,
+    storage_nbytes: Method,
+    storage_device: Getter,
+    storage_copy: Method,
+    /// `None` before torch 2.3, which cannot swap a storage's memory.
+    storage_swap: Option<Method>,
+}
+
+/// What is read of a tensor, and the methods called on one.
+struct TensorAccess {
+    dtype: Getter,
+    layout: Getter,
+    requires_grad: Getter,
+    is_leaf: Getter,
+    shape: Getter,
+    is_meta: Getter,
+    is_cpu: Getter,
+    device: Getter,
+    stride: Method,
+    storage_offset: Method,
+    untyped_storage: Method,
+    set_: Method,
+    view: Method,
+    requires_grad_: Method,
+}
+
+impl TensorAccess {
+    fn new(base: &Bound<'_, PyType>) -> PyResult<TensorAccess> {
+        let g = |name| Getter::new(base, name);
+        let m = |name| Method::new(base, name);
+        Ok(TensorAccess {
+            dtype: g("dtype")?,
+            layout: g("layout")?,
+            requires_grad: g("requires_grad")?,
+            is_leaf: g("is_leaf")?,
+            shape: g("shape")?,
+            is_meta: g("is_meta")?,
+            is_cpu: g("is_cpu")?,
+            device: g("device")?,
+            stride: m("stride")?,
+            storage_offset: m("storage_offset")?,
+            untyped_storage: m("untyped_storage")?,
+            set_: m("set_")?,
+            view: m("view")?,
+            requires_grad_: m("requires_grad_")?,
+        })
+    }
 }
 
 static API: PyOnceLock<Api> = PyOnceLock::new();
@@ -56,11 +104,13 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     }
     API.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        let storage_base = torch.getattr("_C")?.getattr("StorageBase")?;
+        let storage_base = torch.getattr("_C")?.getattr("StorageBase")?.cast_into::<PyType>()?;
+        let tensor_base = torch.getattr("_C")?.getattr("TensorBase")?.cast_into::<PyType>()?;
         let dtypes = DType::ALL
             .iter()
             .map(|d| torch.getattr(d.torch_name()).map(Bound::unbind))
             .collect::<PyResult<Vec<_>>>()?;
+        let swap = storage_base.getattr("__dict__")?.contains("_swap_data_ptr_")?;
         Ok::<_, PyErr>(Api {
             tensor: torch.getattr("Tensor")?.unbind(),
             parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
@@ -70,9 +120,12 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             frombuffer: torch.getattr("frombuffer")?.unbind(),
             untyped_storage: torch.getattr("UntypedStorage")?.unbind(),
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
-            storage_data_ptr: storage_base.getattr("data_ptr")?.unbind(),
-            storage_nbytes: storage_base.getattr("nbytes")?.unbind(),
-            storage_device: storage_base.getattr("device")?.unbind(),
+            t: TensorAccess::new(&tensor_base)?,
+            storage_data_ptr: Method::new(&storage_base, "data_ptr")?,
+            storage_nbytes: Method::new(&storage_base, "nbytes")?,
+            storage_device: Getter::new(&storage_base, "device")?,
+            storage_copy: Method::new(&storage_base, "copy_")?,
+            storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             dtypes,
         })
     })
@@ -169,7 +222,7 @@ fn flat_over<'py>(
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "dtype"), dtype)?;
     let flat = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
-    let storage = flat.call_method0(intern!(py, "untyped_storage"))?;
+    let storage = api.t.untyped_storage.call0(&flat)?;
     register_storage(py, block.get().storage.data_ptr(), &storage)?;
     Ok((flat, storage))
 }
@@ -199,7 +252,7 @@ pub(crate) fn empty_shared<'py>(
     if dims.len() == 1 {
         return Ok(Some(flat));
     }
-    Ok(Some(flat.call_method1(intern!(py, "view"), (shape,))?))
+    Ok(Some(api.t.view.call1(&flat, shape.as_any())?))
 }
 
 /// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
@@ -210,32 +263,32 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     if !parameter && !ty.is(api.tensor.bind(py)) {
         return Ok(None);
     }
-    let dtype_obj = obj.getattr(intern!(py, "dtype"))?;
+    let a = &api.t;
+    let dtype_obj = a.dtype.get(obj)?;
     let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
     let dtype = DType::ALL[k];
-    if !obj.getattr(intern!(py, "layout"))?.is(api.strided.bind(py)) {
+    if !a.layout.get(obj)?.is(api.strided.bind(py)) {
         return Ok(None);
     }
-    let requires_grad: bool = obj.getattr(intern!(py, "requires_grad"))?.extract()?;
-    if requires_grad && !obj.getattr(intern!(py, "is_leaf"))?.extract::<bool>()? {
+    let requires_grad: bool = a.requires_grad.get(obj)?.extract()?;
+    if requires_grad && !a.is_leaf.get(obj)?.extract::<bool>()? {
         return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));
     }
-    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
-    let mut t = if obj.getattr(intern!(py, "is_meta"))?.extract::<bool>()? {
-        let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
+    let shape: Vec<usize> = a.shape.get(obj)?.extract()?;
+    let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
+    let mut t = if a.is_meta.get(obj)?.extract::<bool>()? {
         Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
     } else {
-        if !obj.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
-            let device = obj.getattr(intern!(py, "device"))?;
+        if !a.is_cpu.get(obj)?.extract::<bool>()? {
+            let device = a.device.get(obj)?;
             return Err(PyRuntimeError::new_err(format!(
                 "a tensor on {device} cannot be sent by tensorshare's Python package yet; move it to the CPU first"
             )));
         }
-        let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
-        let offset: usize = obj.call_method0(intern!(py, "storage_offset"))?.extract()?;
-        let storage = obj.call_method0(intern!(py, "untyped_storage"))?;
-        let addr: usize = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
-        let nbytes: usize = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        let offset: usize = a.storage_offset.call0(obj)?.extract()?;
+        let storage = a.untyped_storage.call0(obj)?;
+        let addr: usize = api.storage_data_ptr.call0(&storage)?.extract()?;
+        let nbytes: usize = api.storage_nbytes.call0(&storage)?.extract()?;
         let block = match find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes) {
             Some(b) => b,
             None => move_storage(py, api, &storage, nbytes)?,
@@ -269,23 +322,20 @@ pub(crate) fn move_storage<'py>(
     if nbytes == 0 {
         return Ok(block);
     }
-    if !storage.hasattr(intern!(py, "_swap_data_ptr_"))? {
+    let Some(swap) = &api.storage_swap else {
         return Err(PyRuntimeError::new_err("this torch cannot move a storage in place (torch >= 2.3 can)"));
-    }
+    };
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
-    let fresh = api
-        .frombuffer
-        .bind(py)
-        .call((&block,), Some(&kwargs))?
-        .call_method0(intern!(py, "untyped_storage"))?;
+    let fresh = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
+    let fresh = api.t.untyped_storage.call0(&fresh)?;
     // The bytes are copied (here when small, else by torch under its own rules), then the
     // storage takes the block's memory and the reference to the block that keeps it mapped;
     // `fresh` takes the old memory and frees it when it goes.
     if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, storage, block.get())?) {
-        fresh.call_method1(intern!(py, "copy_"), (storage,))?;
+        api.storage_copy.call1(&fresh, storage)?;
     }
-    storage.call_method1(intern!(py, "_swap_data_ptr_"), (&fresh,))?;
+    swap.call1(storage, &fresh)?;
     register_storage(py, block.get().storage.data_ptr(), storage)?;
     Ok(block)
 }
@@ -297,18 +347,14 @@ fn copy_here(py: Python<'_>, api: &Api, storage: &Bound<'_, PyAny>, block: &Bloc
     // An exact `torch.UntypedStorage` is a `torch._C.StorageBase`, whose own C methods are
     // asked, not whatever its Python class may have been given since.
     if !storage.get_type().is(api.untyped_storage.bind(py))
-        || !api
-            .storage_device
-            .bind(py)
-            .call_method1(intern!(py, "__get__"), (storage,))?
-            .eq(api.cpu.bind(py))?
+        || !api.storage_device.get(storage)?.eq(api.cpu.bind(py))?
     {
         return Ok(false);
     }
-    let len: usize = api.storage_nbytes.bind(py).call1((storage,))?.extract()?;
+    let len: usize = api.storage_nbytes.call0(storage)?.extract()?;
     // Read last, in C, with the GIL held from here to the end of the copy: no Python code
     // runs in between, so none can resize or free the storage meanwhile.
-    let addr: usize = api.storage_data_ptr.bind(py).call1((storage,))?.extract()?;
+    let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
     let dst = block.storage.as_mut_ptr();
     if addr == 0 || len != block.storage.len() {
         return Ok(false);
@@ -392,7 +438,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                         None => flat_over(py, api, &block, api.uint8.bind(py))?.1,
                     };
                     let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
-                    out.call_method1(intern!(py, "set_"), (storage, t.storage_offset(), shape, strides))?;
+                    api.t.set_.bind(py).call1((&out, storage, t.storage_offset(), shape, strides))?;
                     out
                 }
             }
@@ -420,7 +466,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
         return api.parameter.bind(py).call1((out, t.requires_grad()))?.into_py_any(py);
     }
     if t.requires_grad() {
-        out.call_method1(intern!(py, "requires_grad_"), (true,))?;
+        api.t.requires_grad_.bind(py).call1((&out, true))?;
     }
     Ok(out.unbind())
 }

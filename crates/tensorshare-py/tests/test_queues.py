@@ -115,6 +115,26 @@ def test_empty_and_zero_dimensional_arrays():
         np.testing.assert_array_equal(a, b)
 
 
+def test_what_travels_is_what_torch_reports_however_torch_tensor_was_patched(monkeypatch):
+    # A tensor's geometry, dtype and storage are read from torch's C type, not through
+    # torch.Tensor, a Python class any program may patch: a lie there changes nothing.
+    torch = import_torch()
+    t = torch.arange(6, dtype=torch.float32)
+    decoy = torch.full((64,), 7.0)
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", lambda self: decoy.untyped_storage())
+    monkeypatch.setattr(torch.Tensor, "storage_offset", lambda self: 3)
+    monkeypatch.setattr(torch.Tensor, "stride", lambda self, dim=None: (0,))
+    monkeypatch.setattr(torch.Tensor, "shape", property(lambda self: torch.Size([64])))
+    monkeypatch.setattr(torch.Tensor, "dtype", property(lambda self: torch.float64))
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+    got = tensorshare.roundtrip(t)
+    monkeypatch.undo()
+    assert got.dtype == torch.float32 and got.shape == (6,) and got.stride() == (1,)
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert decoy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
 def test_torch_tensors_alias_and_keep_their_flags():
     torch = import_torch()
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
