@@ -154,8 +154,7 @@ fn empty_shared_tensor<'py>(
 #[pyfunction]
 fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Block>> {
     let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
-    let nbytes: usize = storage.call_method0("nbytes")?.extract()?;
-    torch::move_storage(py, api, storage, nbytes)
+    torch::move_storage_whole(py, api, storage)
 }
 
 /// Records `storage` as the torch storage over the block at `address` (after a storage was

@@ -16,7 +16,7 @@ use pyo3::types::{PyDict, PyTuple, PyType, PyWeakrefReference};
 use pyo3::{intern, IntoPyObjectExt};
 use tensorshare::{DType, Device, Tensor, TensorKind, Value};
 
-use crate::descr::{Getter, Method};
+use crate::descr::{c_type, Getter, Method};
 use crate::{to_py, Block};
 
 /// What torch's own queues say of a non-leaf tensor that requires grad.
@@ -39,9 +39,9 @@ pub(crate) struct Api {
     /// A tensor's attributes and methods, from `torch._C.TensorBase`, the C type under every
     /// torch tensor (see [`crate::descr`]).
     t: TensorAccess,
-    /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage: its
-    /// attributes cannot be replaced from Python (the type is immutable), so what these
-    /// report comes from torch, whatever a program did to torch's classes.
+    /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage. These
+    /// never hand a call to Python code (no torch function mode sees them), so what they
+    /// report is torch's own: [`copy_here`] reads memory where they say it is.
     storage_data_ptr: Method,
     storage_nbytes: Method,
     storage_device: Getter,
@@ -104,8 +104,9 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     }
     API.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        let storage_base = torch.getattr("_C")?.getattr("StorageBase")?.cast_into::<PyType>()?;
-        let tensor_base = torch.getattr("_C")?.getattr("TensorBase")?.cast_into::<PyType>()?;
+        let c = torch.getattr("_C")?;
+        let storage_base = c_type(c.getattr("StorageBase")?, "torch._C.StorageBase")?;
+        let tensor_base = c_type(c.getattr("TensorBase")?, "torch._C.TensorBase")?;
         let dtypes = DType::ALL
             .iter()
             .map(|d| torch.getattr(d.torch_name()).map(Bound::unbind))
@@ -275,8 +276,8 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));
     }
     let shape: Vec<usize> = a.shape.get(obj)?.extract()?;
-    let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
     let mut t = if a.is_meta.get(obj)?.extract::<bool>()? {
+        let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
         Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
     } else {
         if !a.is_cpu.get(obj)?.extract::<bool>()? {
@@ -285,6 +286,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
                 "a tensor on {device} cannot be sent by tensorshare's Python package yet; move it to the CPU first"
             )));
         }
+        let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
         let storage = a.untyped_storage.call0(obj)?;
         let addr: usize = api.storage_data_ptr.call0(&storage)?.extract()?;
@@ -306,6 +308,16 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
 /// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
 /// (about 2 µs) only small storages notice.
 const COPY_HERE_MAX: usize = 64 * 1024;
+
+/// [`move_storage`] of the whole of `storage`, its size as torch's C method reports it.
+pub(crate) fn move_storage_whole<'py>(
+    py: Python<'py>,
+    api: &Api,
+    storage: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, Block>> {
+    let nbytes: usize = api.storage_nbytes.call0(storage)?.extract()?;
+    move_storage(py, api, storage, nbytes)
+}
 
 /// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
 /// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it

@@ -163,3 +163,26 @@ print("memfd:", float(q.get().sum()))
     assert "empty_shared:" in out.stdout and "put:" in out.stdout, out.stdout
     print(out.stdout)
     assert "memfd: 1048576.0" in out.stdout
+
+
+def test_torch_storage_methods_swapped_in_its_c_type_are_refused_not_followed():
+    # A program can rewrite the dict of torch's C type itself (through gc.get_referents of
+    # its mappingproxy): here StorageBase.data_ptr becomes nbytes, so a copy that trusted
+    # the name would read from address 1024. The descriptors are checked by name and owner
+    # when first looked up, and the send is refused with a clear error instead.
+    import_torch()
+    out = run_python(
+        """
+        import gc
+        import torch
+        d = gc.get_referents(torch._C.StorageBase.__dict__)[0]
+        d["data_ptr"] = d["nbytes"]
+        import tensorshare
+        try:
+            tensorshare.roundtrip(torch.ones(256))
+        except RuntimeError as e:
+            print("refused:", e)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: torch._C.StorageBase.data_ptr is not its C method" in out.stdout, out.stdout
