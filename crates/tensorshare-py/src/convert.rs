@@ -220,9 +220,18 @@ fn wrap_queue(py: Python<'_>, q: PyQueue, class: &str) -> PyResult<Py<PyAny>> {
 }
 
 fn rebuild(py: Python<'_>, t: Tensor, array: bool) -> PyResult<Py<PyAny>> {
+    // A numpy array views bytes: a meta tensor has none (its storage is empty, whatever its
+    // shape), and numpy takes an empty buffer for no buffer at all, so an array made over it
+    // would point at nothing. It is refused, whether it came as an array (only a hostile
+    // sender makes one) or as a tensor to a process without torch.
     let device = match t.device() {
         Device::Cpu => "cpu",
-        Device::Meta => "meta",
+        Device::Meta => {
+            return Err(PyValueError::new_err(format!(
+                "a meta tensor of shape {:?} has no data, so it cannot become a numpy array",
+                t.shape()
+            )))
+        }
         other => {
             return Err(PyValueError::new_err(format!(
                 "a tensor on {other:?} reached Python, which takes CPU and meta tensors"

@@ -186,3 +186,68 @@ def test_torch_storage_methods_swapped_in_its_c_type_are_refused_not_followed():
     )
     assert out.returncode == 0, out.stderr
     assert "refused: torch._C.StorageBase.data_ptr is not its C method" in out.stdout, out.stdout
+
+
+def test_a_meta_tensor_reaching_a_process_without_torch_is_an_error_not_a_crash(tmp_path):
+    # Where torch cannot be imported a tensor arrives as a numpy array; a meta tensor has no
+    # bytes, and an array over its empty block would have viewed memory at a dangling address.
+    torch = import_torch()
+    from tensorshare import _native
+
+    data, fds, _parcel = _native.export(torch.empty(1 << 20, device="meta"))
+    assert not fds
+    path = tmp_path / "message"
+    path.write_bytes(data)
+    out = run_python(
+        f"""
+        import sys
+
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ModuleNotFoundError("No module named 'torch'")
+
+        sys.meta_path.insert(0, NoTorch())
+        from tensorshare import _native
+        try:
+            a = _native.import_(open({str(path)!r}, "rb").read(), [])
+            print("got", a.shape, a.sum())
+        except ValueError as e:
+            print("refused:", e)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: a meta tensor of shape [1048576] has no data" in out.stdout, out.stdout
+
+
+def test_a_message_naming_a_meta_array_is_an_error_not_a_crash():
+    # No sender makes a meta numpy array; a hostile one can, by changing a meta tensor's tag
+    # in the message (byte 7: 9 is a tensor, 10 an array).
+    import_torch()
+    out = run_python(
+        """
+        import torch
+        from tensorshare import _native
+
+        data, fds, _parcel = _native.export(torch.empty(1 << 20, device="meta"))
+        data = bytearray(data)
+        assert data[7] == 9, bytes(data[:16])
+        data[7] = 10
+        try:
+            a = _native.import_(bytes(data), [])
+            print("got", a.shape, a.sum())
+        except ValueError as e:
+            print("refused:", e)
+        # The Python half checks too: no array of elements over an empty block.
+        from tensorshare import _reduction
+        try:
+            empty = _native.empty_block(0)
+            a = _reduction.rebuild(True, empty, "float32", (1 << 20,), (1,), 0, False, False, "cpu")
+            print("got", a.shape, a.sum())
+        except ValueError as e:
+            print("refused too:", e)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: a meta tensor of shape [1048576] has no data" in out.stdout, out.stdout
+    assert "refused too: an array of shape (1048576,) over an empty block" in out.stdout, out.stdout

@@ -199,6 +199,9 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
         import numpy as np
     dt = np.dtype(dtype)
     if not shape or 0 not in shape:
+        if block.nbytes == 0:
+            # numpy would take an empty buffer for none and view memory at its address.
+            raise ValueError(f"an array of shape {tuple(shape)} over an empty block")
         return np.ndarray(
             shape,
             dt,
