@@ -157,13 +157,6 @@ fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<B
     torch::move_storage_whole(py, api, storage)
 }
 
-/// Records `storage` as the torch storage over the block at `address` (after a storage was
-/// moved into a block in place).
-#[pyfunction]
-fn register_storage(py: Python<'_>, address: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
-    torch::register_storage(py, address, storage)
-}
-
 /// The current sharing strategy, by torch's name.
 #[pyfunction]
 fn get_sharing_strategy() -> String {
@@ -198,7 +191,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_block, m)?)?;
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
-    m.add_function(wrap_pyfunction!(register_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
