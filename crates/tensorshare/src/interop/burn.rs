@@ -99,20 +99,22 @@ pub fn to_burn(t: &Tensor) -> Result<TensorData> {
 }
 
 /// `t` as a `TensorData`, without a copy when nothing else can reach its bytes: a host
-/// tensor that [`Tensor::is_exclusive`] (a private storage whose only handle is `t`) with
-/// contiguous elements. burn then owns the storage (through `t`, moved into the
+/// tensor that is exclusive (a private storage whose only handle is `t`, see
+/// [`Tensor::is_exclusive`]) with contiguous elements. burn then owns the storage (through `t`, moved into the
 /// `TensorData`), reads the elements in place and copies them on its first write. Any
 /// other tensor is copied, as by [`to_burn`].
 ///
 /// # Errors
 /// As [`to_burn`].
-pub fn into_burn(t: Tensor) -> Result<TensorData> {
-    if t.is_exclusive() && t.is_contiguous() && t.numel() > 0 {
-        // SAFETY: `t` is the only handle of a private storage (no clone, view, Storage
-        // handle or weak reference; heap memory no other process maps), and it moves into
-        // the TensorData's owner, out of every caller's reach: nothing can write the
-        // elements while burn holds them, which is to_burn_aliased's contract. It is a
-        // host tensor (is_exclusive checks the device).
+pub fn into_burn(mut t: Tensor) -> Result<TensorData> {
+    if t.is_contiguous() && t.numel() > 0 && t.check_exclusive().is_ok() {
+        // SAFETY: check_exclusive found `t` the only handle of a private host storage (no
+        // clone, view, Storage handle or weak reference, by `Arc::get_mut`; heap memory no
+        // other process maps), and its acquire of the handle count orders every write made
+        // through handles other threads have since dropped before burn's reads (a snapshot
+        // of the counts would not: another thread's last `fill` could race with them). `t`
+        // moves into the TensorData's owner, out of every caller's reach: nothing can write
+        // the elements while burn holds them, which is to_burn_aliased's contract.
         return unsafe { to_burn_aliased(&t) };
     }
     to_burn(&t)

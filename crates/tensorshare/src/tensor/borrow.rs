@@ -30,6 +30,11 @@ impl Tensor {
     /// exclusive; cloning or viewing one, or [`Tensor::share_memory`], makes it not. The
     /// answer can only change through this tensor, so it holds for as long as this tensor
     /// is not used otherwise.
+    ///
+    /// It is a snapshot of the handle counts and synchronizes with nothing: a `true` does
+    /// not order the writes another thread made through a handle it has just dropped before
+    /// what this thread does next. Code that reads the elements without atomics on the
+    /// strength of it must check with `check_exclusive` instead, as the borrows do.
     pub fn is_exclusive(&self) -> bool {
         self.device == crate::Device::Cpu
             && !self.storage.is_shared()
@@ -38,8 +43,9 @@ impl Tensor {
     }
 
     /// Checks [`Tensor::is_exclusive`] in a way no other thread can invalidate while
-    /// `&mut self` is borrowed.
-    pub(super) fn check_exclusive(&mut self) -> Result<()> {
+    /// `&mut self` is borrowed, and that orders every write made through the other handles,
+    /// now dropped, before what follows (`Arc::get_mut` acquires the count they released).
+    pub(crate) fn check_exclusive(&mut self) -> Result<()> {
         self.check_cpu()?;
         if self.storage.is_shared() {
             return Err(Error::NotExclusive("shared memory, which other processes may map"));
