@@ -321,19 +321,20 @@ fn extent(shape: &[usize], strides: &[i64], size: usize) -> Result<(i128, i128)>
     if shape.contains(&0) {
         return Ok((0, 0));
     }
+    let overflow =
+        || bad(format!("shape {shape:?} with strides {strides:?} spans more bytes than can be counted"));
     let (mut lo, mut hi) = (0i128, 0i128);
     for (&d, &s) in shape.iter().zip(strides) {
-        // d < 2^64 and |s| <= 2^63: the product fits i128, and so do the sums of at most
-        // i32::MAX of them (DLPack's ndim), scaled by an element size of at most 8.
+        // d < 2^64 and |s| <= 2^63: each product fits i128; their sums are checked (a
+        // descriptor may have up to i32::MAX dimensions).
         let span = (d as i128 - 1) * i128::from(s);
-        if span < 0 {
-            lo += span;
-        } else {
-            hi += span;
-        }
+        let side = if span < 0 { &mut lo } else { &mut hi };
+        *side = side.checked_add(span).ok_or_else(overflow)?;
     }
     let size = size as i128;
-    Ok((lo * size, (hi + 1) * size))
+    let lo = lo.checked_mul(size).ok_or_else(overflow)?;
+    let hi = hi.checked_add(1).and_then(|h| h.checked_mul(size)).ok_or_else(overflow)?;
+    Ok((lo, hi))
 }
 
 /// The bytes of every element, in row-major order: a row at a time where the last
