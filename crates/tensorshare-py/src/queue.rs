@@ -7,9 +7,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyType};
 use tensorshare::{Error, Message, Queue, SimpleQueue, Value};
 
 use crate::convert::{from_value, to_value};
@@ -105,7 +105,13 @@ pub(crate) fn import(py: Python<'_>, bytes: &[u8], fds: Vec<i32>) -> PyResult<Py
 
 fn deadline_error(py: Python<'_>, class: &str) -> PyErr {
     match py.import("queue").and_then(|m| m.getattr(class)) {
-        Ok(cls) => PyErr::from_type(cls.cast_into().expect("queue.Empty and queue.Full are classes"), ()),
+        Ok(cls) => match cls.cast_into::<PyType>() {
+            Ok(cls) => PyErr::from_type(cls, ()),
+            // A program replaced it: say what happened rather than panic.
+            Err(_) => PyTypeError::new_err(format!(
+                "the deadline passed, and queue.{class} is not a class to raise"
+            )),
+        },
         Err(e) => e,
     }
 }

@@ -413,3 +413,13 @@ def test_pickling_a_queue_outside_a_process_start_is_an_error():
 
     with pytest.raises(RuntimeError, match="cannot be pickled otherwise"):
         pickle.dumps(mp.Queue())
+
+
+def test_a_replaced_queue_empty_is_a_type_error_not_a_panic(monkeypatch):
+    # The deadline errors are queue.Empty and queue.Full, looked up when raised; a program
+    # that replaced them with a non-class gets a TypeError, not a Rust panic.
+    from tensorshare import _native
+
+    monkeypatch.setattr(queue, "Empty", 5)
+    with pytest.raises(TypeError, match="queue.Empty is not a class"):
+        _native.Queue().get(block=False)
