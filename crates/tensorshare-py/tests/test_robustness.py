@@ -124,6 +124,59 @@ def test_sigkill_mid_stream_leaves_nothing_in_dev_shm(victim):
     assert named_segments(root) == []
 
 
+def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
+    # A named file cannot be sealed: here its creator cuts it to half under a receiver that
+    # uses the default strategy, then to nothing. Both keep running: the cut pages read as
+    # zeros, the rest stays shared. faulthandler is enabled first, as pytest and
+    # `python -X faulthandler` do: it must never see the fault.
+    import_torch()
+    out = run_python(
+        """
+        import faulthandler, os
+        faulthandler.enable()
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def consume(q, ready, go):
+            mp.set_sharing_strategy("file_descriptor")
+            t = q.get(timeout=60)
+            ready.put("mapped")
+            while go.get() != "stop":
+                ready.put((float(t.sum()), int((t == 0).sum())))
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            ctx = mp.get_context("fork")
+            q, ready, go = ctx.Queue(), ctx.Queue(), ctx.SimpleQueue()
+            p = ctx.Process(target=consume, args=(q, ready, go))
+            p.start()
+            n = 1 << 20
+            t = torch.ones(n)
+            q.put(t)
+            assert ready.get(timeout=60) == "mapped"
+            mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"tensorshare_{os.getpid()}_")]
+            assert mine, "no named segment"
+            page = os.sysconf("SC_PAGE_SIZE")
+            for name in mine:
+                with open(f"/dev/shm/{name}", "r+b") as f:
+                    f.truncate(os.fstat(f.fileno()).st_size // 2 // page * page)
+            go.put("read")
+            total, zeros = ready.get(timeout=60)
+            assert 0 < zeros < n and total == n - zeros, (total, zeros)
+            assert int((t == 0).sum()) == zeros, "the creator reads the same zeros"
+            t.fill_(5.0)
+            go.put("read")
+            assert ready.get(timeout=60) == (5.0 * (n - zeros), zeros), "the rest is still shared"
+            go.put("stop")
+            p.join(60)
+            print("exitcode", p.exitcode)
+        """,
+        env={"TENSORSHARE_SHM_GROUP": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "exitcode 0" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_full_dev_shm_is_a_memory_error_not_a_bus_error():
     import_torch()
     if os.geteuid() != 0 or shutil.which("unshare") is None:

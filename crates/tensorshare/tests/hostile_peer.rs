@@ -364,37 +364,110 @@ fn an_arena_is_reached_only_through_its_descriptor() {
     assert_eq!(ctx.join(None), Ok(true));
 }
 
-/// The documented limit of file_system: a named file cannot be sealed, so a process that
-/// truncates it kills a reader that then touches the cut pages (SIGBUS), as in torch. The
-/// file_descriptor strategy (the default) refuses this (see above).
+/// A named file cannot be sealed, so a process that can open it can truncate it. The pages
+/// cut off read as zeros from then on, in the creator and in the receiver (here one with the
+/// default strategy), and the rest stays shared: nobody gets SIGBUS, as torch's file_system
+/// readers do.
 fn named_truncation(_: ()) {
     tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
-    let mut t = Tensor::full(&[1 << 20], 1.0f32);
+    let n = 1 << 20;
+    let mut t = Tensor::full(&[n], 1.0f32);
     t.share_memory().unwrap();
     let name = t.storage().segment_name().expect("a named segment");
     let (go, wait) = pipe::<u32>().unwrap();
+    let (back, answer) = pipe::<Vec<f32>>().unwrap();
     let mut ctx = spawn(
-        |_rank, (t, wait): (Tensor, Connection<u32>)| {
+        |_rank, (t, wait, answer): (Tensor, Connection<u32>, Connection<Vec<f32>>)| {
+            assert_eq!(tensorshare::get_sharing_strategy(), SharingStrategy::FileDescriptor);
             wait.send(0).unwrap(); // mapped
-            wait.recv().unwrap();
-            let _ = t.to_vec::<f32>(); // touches the pages that are gone
+            while wait.recv().is_ok() {
+                answer.send(t.to_vec::<f32>().unwrap()).unwrap(); // touches the cut pages
+            }
         },
-        (t.clone(), wait),
+        (t.clone(), wait, answer),
         1,
     )
     .unwrap();
     assert_eq!(go.recv().unwrap(), 0);
     let path = tensorshare::segments::shm_dir().join(&name);
-    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    // Cut at a page boundary: the bytes past the end of a file in its last page stay that
+    // page's, shared as before.
+    let page = rustix::param::page_size() as u64;
+    file.set_len(file.metadata().unwrap().len() / 2 / page * page).unwrap();
     go.send(1).unwrap();
-    let err = ctx.join(None).unwrap_err();
-    assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
+    let seen = back.recv().unwrap();
+    // The first elements are still the file's, the rest are zeros.
+    let kept = seen.iter().take_while(|v| **v == 1.0).count();
+    assert!(kept > 0 && kept < n, "kept {kept} of {n}");
+    assert!(seen[kept..].iter().all(|v| *v == 0.0), "the cut part reads as zeros");
+    // The creator touches the cut pages too, and writes through: what both still share
+    // reaches the receiver, what was cut stays each process's own.
+    t.fill(5.0f32).unwrap();
+    assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == 5.0));
+    go.send(2).unwrap();
+    let seen = back.recv().unwrap();
+    assert!(seen[..kept].iter().all(|v| *v == 5.0), "the uncut part is still shared");
+    assert!(seen[kept..].iter().all(|v| *v == 0.0), "the receiver's zeros are its own");
+    // Cut it to nothing: everything reads as zeros, in the receiver too.
+    file.set_len(0).unwrap();
+    go.send(3).unwrap();
+    assert!(back.recv().unwrap()[..kept].iter().all(|v| *v == 0.0));
+    drop((go, back));
+    assert_eq!(ctx.join(None), Ok(true));
     drop(t); // unmapping touches nothing
 }
 
 #[test]
-fn a_truncated_named_segment_is_the_documented_limit_of_file_system() {
+fn a_truncated_named_segment_reads_as_zeros_not_sigbus() {
     checked!(named_truncation, (), ());
+}
+
+/// The handler mends only named segments: a SIGBUS from any other mapping still ends the
+/// process with SIGBUS, as it would have without tensorshare.
+#[test]
+fn a_sigbus_outside_named_segments_still_ends_the_process() {
+    let path = std::env::temp_dir().join(format!(
+        "tensorshare-sigbus-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&path, vec![7u8; 1 << 16]).unwrap();
+    let mut ctx = spawn(
+        |_rank, path: std::path::PathBuf| {
+            tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+            let mut t = Tensor::full(&[1024], 1.0f32);
+            t.share_memory().unwrap(); // a named segment: the handler is installed
+            assert!(t.storage().segment_name().is_some());
+            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+            // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw
+            // pointers only.
+            let p = unsafe {
+                rustix::mm::mmap(
+                    std::ptr::null_mut(),
+                    1 << 16,
+                    rustix::mm::ProtFlags::READ,
+                    rustix::mm::MapFlags::SHARED,
+                    &file,
+                    0,
+                )
+            }
+            .unwrap()
+            .cast::<u8>();
+            // SAFETY: within the mapping, which is still there.
+            assert_eq!(unsafe { p.read_volatile() }, 7);
+            file.set_len(0).unwrap();
+            // SAFETY: within the mapping; the page is cut, so this raises SIGBUS.
+            let v = unsafe { p.add(4096).read_volatile() };
+            println!("read {v} from a cut page");
+        },
+        path.clone(),
+        1,
+    )
+    .unwrap();
+    let err = ctx.join(None).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
 }
 
 fn take_then_wait(_rank: usize, (q, got): (Queue<Tensor>, Queue<usize>)) {

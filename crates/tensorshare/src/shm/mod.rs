@@ -4,6 +4,7 @@
 //!
 //! Everything here is Linux. A macOS backend (file_system only) would replace this module.
 
+mod fault;
 pub(crate) mod group;
 mod limits;
 mod named;
@@ -65,6 +66,9 @@ pub(crate) struct Segment {
     /// drops it (forgetting inherited arenas, or freeing what it inherited) must not remove
     /// its parent's file.
     creator: i32,
+    /// For a named segment: its registration with the SIGBUS handler that turns pages a
+    /// peer cut off into zeros (see `fault`). Dropped before the mapping is unmapped.
+    guard: Option<fault::Guard>,
 }
 
 // SAFETY: the segment is a mapping of shared memory plus a file descriptor; neither is tied
@@ -162,8 +166,8 @@ impl Segment {
     /// itself need not exist any more (a dead creator's names are swept while the memory
     /// lives on in the descriptors that hold it).
     ///
-    /// Named files cannot be sealed: see the threat model in the README for what a peer
-    /// that truncates one can do.
+    /// Named files cannot be sealed: a peer can truncate one, and the pages it cut off then
+    /// read as zeros in this process (see `fault`), never SIGBUS.
     pub(crate) fn from_named_fd(fd: OwnedFd, name: &str) -> Result<Segment> {
         if !is_valid_name(name) {
             return Err(Error::invalid(format!("{name:?} is not a tensorshare segment name")));
@@ -194,7 +198,9 @@ impl Segment {
     ) -> Result<Segment> {
         // SAFETY: a fresh shared mapping of a file we hold open; no Rust object aliases the
         // returned range until this `Segment` hands it out. A file shorter than the mapping
-        // is excluded above (fstat or our own reservation), so no access faults.
+        // is excluded above (fstat or our own reservation). A memfd is then sealed against
+        // shrinking; a named file is not, and a page another process cuts off is replaced
+        // with zeros by `fault` (registered below) instead of faulting.
         let ptr = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
@@ -218,7 +224,14 @@ impl Segment {
             Error::io("mmap of shared memory", std::io::Error::other("it returned address 0"))
         })?;
         let creator = rustix::process::getpid().as_raw_nonzero().get();
-        Ok(Segment { fd, ptr, len, id, file, owned_name, creator })
+        let mut seg = Segment { fd, ptr, len, id, file, owned_name, creator, guard: None };
+        if matches!(seg.id, SegmentId::Name(_)) {
+            // A named file can be truncated by any process that can open it: register the
+            // mapping before anything reads it, so that a cut is zeros, never SIGBUS. On
+            // failure, dropping `seg` unmaps it and removes a file this process created.
+            seg.guard = Some(fault::register(seg.ptr.as_ptr(), seg.len, seg.fd.as_fd())?);
+        }
+        Ok(seg)
     }
 
     /// The first byte of the mapping.
@@ -303,6 +316,9 @@ pub(crate) fn check_sealed(fd: &OwnedFd) -> Result<()> {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // Unregistered first: the handler must never take this range for a segment once
+        // something else may be mapped there.
+        drop(self.guard.take());
         // SAFETY: `ptr..ptr+len` is the mapping made in `map`, and every storage that points
         // into it holds an `Arc<Segment>`, so nothing uses it any more.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
