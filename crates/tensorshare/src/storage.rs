@@ -217,6 +217,11 @@ impl Storage {
 
     /// Moves the bytes into shared memory (one copy), for every handle of this storage.
     /// Does nothing if the storage is already shared.
+    ///
+    /// A write that another thread makes through a clone while the copy runs can be lost
+    /// (it lands in the bytes left behind), as in torch: move a storage before handing
+    /// clones to writers. Atomic views move the storage when they are made, so none of their
+    /// updates is lost this way.
     pub fn share_memory(&self) -> Result<()> {
         self.share_memory_with(get_sharing_strategy())
     }
