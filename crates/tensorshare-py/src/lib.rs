@@ -157,6 +157,13 @@ fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<B
     torch::move_storage_whole(py, api, storage)
 }
 
+/// Puts tensorshare's SIGBUS handler back on top of one installed since (torch's DataLoader
+/// workers install one): see `tensorshare::segments::guard_sigbus`.
+#[pyfunction]
+fn guard_sigbus() -> PyResult<()> {
+    tensorshare::segments::guard_sigbus().map_err(to_py)
+}
+
 /// The current sharing strategy, by torch's name.
 #[pyfunction]
 fn get_sharing_strategy() -> String {
@@ -193,6 +200,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;

@@ -154,7 +154,10 @@ def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
             t = torch.ones(n)
             q.put(t)
             assert ready.get(timeout=60) == "mapped"
-            mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"tensorshare_{os.getpid()}_")]
+            mine = [
+                n for n in os.listdir("/dev/shm")
+                if n.startswith(f"tensorshare_{os.getpid()}_") and not n.endswith("_group")
+            ]
             assert mine, "no named segment"
             page = os.sysconf("SC_PAGE_SIZE")
             for name in mine:
@@ -175,6 +178,49 @@ def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
     )
     assert out.returncode == 0, out.stderr
     assert "exitcode 0" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("context", ["tensorshare", "torch"])
+def test_a_dataloader_worker_reading_a_cut_named_segment_is_not_killed(context):
+    # torch's DataLoader workers install a SIGBUS handler of their own, which would take the
+    # place of tensorshare's; tensorshare's goes back on top of it in the workers of its own
+    # context, and, once tensorshare.multiprocessing is imported, in fork workers of torch's.
+    import_torch()
+    out = run_python(
+        f"""
+        import os
+        import torch
+        import tensorshare
+        import tensorshare.multiprocessing as mp
+        from torch.utils.data import DataLoader, Dataset
+
+        mp.set_sharing_strategy("file_system")
+        big = tensorshare.empty_shared((1 << 20,), torch.float32)
+        big.fill_(1.0)
+        files = [
+            f"/dev/shm/{{n}}" for n in os.listdir("/dev/shm")
+            if n.startswith(f"tensorshare_{{os.getpid()}}_") and not n.endswith("_group")
+        ]
+        assert files
+
+        class Cut(Dataset):
+            def __len__(self):
+                return 2
+
+            def __getitem__(self, i):
+                if i == 0:
+                    for f in files:
+                        os.truncate(f, 0)
+                return float(big.sum())
+
+        ctx = mp.get_context("fork") if "{context}" == "tensorshare" else "fork"
+        loader = DataLoader(Cut(), num_workers=1, multiprocessing_context=ctx, batch_size=None)
+        print("got", [x for x in loader])
+        """,
+        env={"TENSORSHARE_SHM_GROUP": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "got [0.0, 0.0]" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_full_dev_shm_is_a_memory_error_not_a_bus_error():

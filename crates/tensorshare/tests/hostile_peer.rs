@@ -470,6 +470,59 @@ fn a_sigbus_outside_named_segments_still_ends_the_process() {
     assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
 }
 
+extern "C" fn exit_77(_sig: libc::c_int) {
+    // SAFETY: _exit is async-signal-safe.
+    unsafe { libc::_exit(77) }
+}
+
+/// A program that installs a SIGBUS handler of its own after tensorshare's (one that does not
+/// pass the signal on) puts tensorshare's back on top with `guard_sigbus`: a cut named
+/// segment reads as zeros again, and every other SIGBUS still reaches the program's handler.
+#[test]
+fn guard_sigbus_puts_the_handler_back_on_top_of_a_later_one() {
+    let path = std::env::temp_dir().join(format!("tensorshare-sigbus-guard-{}", std::process::id()));
+    std::fs::write(&path, vec![7u8; 1 << 16]).unwrap();
+    let mut ctx = spawn(
+        |_rank, path: std::path::PathBuf| {
+            tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+            let mut t = Tensor::full(&[1 << 16], 1.0f32);
+            t.share_memory().unwrap();
+            let seg = tensorshare::segments::shm_dir().join(t.storage().segment_name().unwrap());
+            // SAFETY: a handler with the plain signature, installed for SIGBUS.
+            unsafe { libc::signal(libc::SIGBUS, exit_77 as *const () as libc::sighandler_t) };
+            tensorshare::segments::guard_sigbus().unwrap();
+            std::fs::OpenOptions::new().write(true).open(&seg).unwrap().set_len(0).unwrap();
+            assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == 0.0), "the cut reads as zeros");
+            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+            // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw
+            // pointers only.
+            let p = unsafe {
+                rustix::mm::mmap(
+                    std::ptr::null_mut(),
+                    1 << 16,
+                    rustix::mm::ProtFlags::READ,
+                    rustix::mm::MapFlags::SHARED,
+                    &file,
+                    0,
+                )
+            }
+            .unwrap()
+            .cast::<u8>();
+            file.set_len(0).unwrap();
+            // SAFETY: within the mapping; the page is cut, so this raises SIGBUS, which the
+            // program's handler answers with exit code 77.
+            let v = unsafe { p.add(4096).read_volatile() };
+            println!("read {v} from a cut page");
+        },
+        path.clone(),
+        1,
+    )
+    .unwrap();
+    let err = ctx.join(None).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(err.exit_code(), Some(77), "{err}");
+}
+
 fn take_then_wait(_rank: usize, (q, got): (Queue<Tensor>, Queue<usize>)) {
     let mut held = Vec::new();
     while let Ok(t) = q.get() {

@@ -11,20 +11,24 @@
 //! asks the file its size and maps private zero pages, in place, over the part of the
 //! segment from the cut (or from the faulting page, if that comes first) to its end; the
 //! access is then retried and succeeds. From then on this process reads and writes its own
-//! zeros there: what it sees is what a peer could have written, and no memory goes away.
-//! Any other SIGBUS (another mapping, a machine-check error, one sent with `kill`) goes to
-//! the handler that was installed before, or kills the process as it would have without
-//! this one.
+//! zeros there, and no memory goes away under it. Any other SIGBUS (another mapping, a
+//! machine-check error, one sent with `kill`) goes to the disposition that was there before,
+//! as if this handler did not exist.
+//!
+//! A handler that another library installs later and that does not pass SIGBUS on (torch's
+//! DataLoader workers install one; `faulthandler.disable()` restores what it found) takes
+//! the place of this one: each registration puts this one back on top, chaining to the new
+//! one.
 //!
 //! The handler is async-signal-safe: it reads a lock-free list of entries that are never
-//! freed (each entry a seqlock over its fields), and makes three system calls (`fstat`,
-//! `mmap`, `sched_yield`) directly through rustix.
+//! freed (each entry a seqlock over its fields) and makes only system calls (`fstat`,
+//! `mmap`, `getpid`, `sched_yield` through rustix; `sigaction`, `pthread_sigmask` and
+//! `raise` through libc, all async-signal-safe).
 
 use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
 use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 use rustix::mm::{MapFlags, ProtFlags};
 
@@ -55,9 +59,11 @@ struct Entry {
 
 static HEAD: AtomicPtr<Entry> = AtomicPtr::new(ptr::null_mut());
 static PAGE: AtomicUsize = AtomicUsize::new(0);
-/// The SIGBUS disposition before ours: where every fault that is not ours goes.
-static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
-static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+/// The SIGBUS disposition found when this handler was last put in place: where every signal
+/// that is not ours goes. Each is leaked, so that a handler running while another
+/// registration replaces it still reads a valid one; there is one per time some other code
+/// took SIGBUS over.
+static PREVIOUS: AtomicPtr<libc::sigaction> = AtomicPtr::new(ptr::null_mut());
 
 /// A registered segment: unregistered when dropped, which must happen before the mapping is
 /// unmapped.
@@ -70,7 +76,7 @@ pub(crate) struct Guard {
 ///
 /// The caller keeps `fd` open and the range mapped until the returned guard is dropped.
 pub(crate) fn register(start: *const u8, len: usize, fd: BorrowedFd<'_>) -> Result<Guard> {
-    install()?;
+    install().map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))?;
     let page = PAGE.load(Ordering::Relaxed);
     let len =
         len.checked_next_multiple_of(page).ok_or_else(|| Error::invalid("a segment length overflows"))?;
@@ -143,33 +149,27 @@ fn write(e: &Entry, start: usize, len: usize, fd: RawFd) {
 
 /// The entry whose range holds `addr`, with its start, length and descriptor, read
 /// consistently.
+///
+/// An entry whose fields are being written (an odd sequence, or one that moved during the
+/// read) is skipped: it is being registered or unregistered, so its segment is not yet handed
+/// out or already dropped, and no access can be faulting in it. So the handler never waits
+/// for a writer, not even for one a fork left behind in the middle of `write`.
 fn find(addr: usize) -> Option<(&'static Entry, usize, usize, RawFd)> {
     let mut cur = HEAD.load(Ordering::Acquire);
     while !cur.is_null() {
         // SAFETY: as in `claim`, entries live for the rest of the process.
         let e: &'static Entry = unsafe { &*cur };
-        // A writer is normal code on another thread (this thread faulted on a data access,
-        // not inside `write`), so an odd sequence ends soon; give up on the entry after a
-        // while all the same, never waiting without end inside a signal handler.
-        for _ in 0..10_000 {
-            let s1 = e.seq.load(Ordering::Acquire);
-            if s1 % 2 == 1 {
-                rustix::thread::sched_yield();
-                continue;
-            }
+        let s1 = e.seq.load(Ordering::Acquire);
+        if s1 % 2 == 0 {
             let (start, len, fd) = (
                 e.start.load(Ordering::Relaxed),
                 e.len.load(Ordering::Relaxed),
                 e.fd.load(Ordering::Relaxed),
             );
             fence(Ordering::Acquire);
-            if e.seq.load(Ordering::Relaxed) != s1 {
-                continue;
-            }
-            if start != 0 && addr >= start && addr - start < len {
+            if e.seq.load(Ordering::Relaxed) == s1 && start != 0 && addr >= start && addr - start < len {
                 return Some((e, start, len, fd));
             }
-            break;
         }
         cur = e.next.load(Ordering::Acquire);
     }
@@ -207,16 +207,19 @@ fn recover(addr: usize) -> bool {
             if from < to {
                 // SAFETY: `start + from .. start + to` lies inside this process's mapping of
                 // the segment (`from < to <= len`, page-aligned), which nothing unmaps while
-                // this thread faults in it. Its pages are beyond the end of the file or the
-                // one that faulted, so they hold nothing any more; private zero pages take
-                // their place at the same addresses, and every reference into the range
-                // stays valid.
+                // this thread faults in it, and which holds only bytes other processes may
+                // write: no Rust object of this process relies on their values. Private zero
+                // pages take the place of its pages at the same addresses, so every pointer
+                // into the range stays valid. Those pages are cut off the file, or (when the
+                // fault came before the end of the file: the file was grown again, or a hole
+                // could not be filled) they still hold the file's bytes, which this process
+                // stops seeing: as if a peer had written zeros there.
                 let r = unsafe {
                     rustix::mm::mmap_anonymous(
                         (start + from) as *mut c_void,
                         to - from,
                         ProtFlags::READ | ProtFlags::WRITE,
-                        MapFlags::PRIVATE | MapFlags::FIXED,
+                        MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
                     )
                 };
                 if r.is_ok() {
@@ -249,14 +252,41 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     chain(sig, info, ctx);
 }
 
-/// Hands a SIGBUS that is not ours to what was installed before, or restores the default
-/// action so that the retried access, or the signal raised again, ends the process as it
-/// would have without this handler.
+/// Whether a SIGBUS with this code comes back when the handler returns: the faulting
+/// access is retried. Any other (sent by a process, or an asynchronous machine-check
+/// report) is delivered once.
+fn recurs(code: libc::c_int) -> bool {
+    matches!(code, libc::BUS_ADRALN | libc::BUS_ADRERR | libc::BUS_OBJERR | libc::BUS_MCEERR_AR)
+}
+
+/// Hands a SIGBUS that is not ours to the disposition that was there before, doing what the
+/// kernel would have done with it.
 fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
-    let Some(prev) = PREVIOUS.get() else { return default(sig, info) };
+    // SAFETY: the kernel passes a valid siginfo.
+    let code = unsafe { (*info).si_code };
+    let prev = PREVIOUS.load(Ordering::Acquire);
+    // SAFETY: a non-null PREVIOUS points at a leaked sigaction, valid for ever.
+    let Some(prev) = (unsafe { prev.as_ref() }) else { return die(sig, code) };
     let h = prev.sa_sigaction;
+    if h == libc::SIG_IGN && !recurs(code) {
+        return; // ignored, as before
+    }
     if h == libc::SIG_DFL || h == libc::SIG_IGN {
-        return default(sig, info);
+        // The default ends the process; so does a fault while ignored (the kernel forces
+        // the default on a fault it cannot deliver).
+        return die(sig, code);
+    }
+    // SAFETY: sigaction, pthread_sigmask are async-signal-safe; `dfl` is a valid
+    // disposition and `prev.sa_mask` a valid signal set.
+    let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        if prev.sa_flags & libc::SA_RESETHAND != 0 {
+            // The kernel would have reset the disposition before calling it.
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(sig, &dfl, ptr::null_mut());
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &prev.sa_mask, &mut saved);
     }
     if prev.sa_flags & libc::SA_SIGINFO != 0 {
         // SAFETY: a handler installed with SA_SIGINFO has this signature; it is called as
@@ -269,47 +299,59 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
         let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
         f(sig);
     }
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut()) };
 }
 
-fn default(sig: libc::c_int, info: *mut libc::siginfo_t) {
+/// Ends the process with `sig` as the default action would: a fault recurs when the access
+/// is retried, any other signal is raised again (blocked while this handler runs, it is
+/// delivered when the handler returns).
+fn die(sig: libc::c_int, code: libc::c_int) {
     // SAFETY: a zeroed sigaction with SIG_DFL is a valid disposition; sigaction and raise are
     // async-signal-safe.
     unsafe {
         let mut dfl: libc::sigaction = std::mem::zeroed();
         dfl.sa_sigaction = libc::SIG_DFL;
         libc::sigaction(sig, &dfl, ptr::null_mut());
-        // A fault recurs when the access is retried; a signal that was sent does not.
-        if (*info).si_code <= 0 {
+        if !recurs(code) {
             libc::raise(sig);
         }
     }
 }
 
-/// Installs the handler once per process (a forked child inherits it).
-fn install() -> Result<()> {
-    INSTALLED
-        .get_or_init(|| {
-            PAGE.store(rustix::param::page_size(), Ordering::Relaxed);
-            // SAFETY: `act` is a complete sigaction for a handler with the SA_SIGINFO
-            // signature; `old` receives the previous disposition, kept before the new
-            // handler can run (it is published before `sigaction` returns, and a SIGBUS of
-            // ours can only come from a segment registered after this).
-            unsafe {
-                let mut act: libc::sigaction = std::mem::zeroed();
-                act.sa_sigaction = on_sigbus as *const () as libc::sighandler_t;
-                act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-                libc::sigemptyset(&mut act.sa_mask);
-                let mut old: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(libc::SIGBUS, ptr::null(), &mut old) != 0 {
-                    return Err(format!("sigaction: {}", std::io::Error::last_os_error()));
-                }
-                let _ = PREVIOUS.set(old);
-                if libc::sigaction(libc::SIGBUS, &act, ptr::null_mut()) != 0 {
-                    return Err(format!("sigaction: {}", std::io::Error::last_os_error()));
-                }
-            }
-            Ok(())
-        })
-        .clone()
-        .map_err(|e| Error::io("installing the SIGBUS handler for named segments", std::io::Error::other(e)))
+/// Puts the handler in place, unless it already is: on the first registration, and again
+/// whenever other code has installed its own since (a forked child inherits it).
+pub(crate) fn install() -> std::io::Result<()> {
+    let ours = on_sigbus as *const () as libc::sighandler_t;
+    // SAFETY: a query of the current disposition into a zeroed sigaction.
+    let current = unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, ptr::null(), &mut cur) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        cur
+    };
+    if current.sa_sigaction == ours {
+        return Ok(());
+    }
+    PAGE.store(rustix::param::page_size(), Ordering::Relaxed);
+    // SAFETY: `act` is a complete sigaction for a handler with the SA_SIGINFO signature;
+    // `old` receives the disposition it replaces, in the same step.
+    let old = unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = ours;
+        act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+        libc::sigemptyset(&mut act.sa_mask);
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, &act, &mut old) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        old
+    };
+    // Another thread may have put ours in place between the query and the swap: then `old`
+    // is ours, and chaining to it would loop.
+    if old.sa_sigaction != ours {
+        PREVIOUS.store(Box::leak(Box::new(old)), Ordering::Release);
+    }
+    Ok(())
 }

@@ -22,6 +22,11 @@ pub use limits::{available_bytes, shm_dir, SHM_DIR_ENV};
 pub(crate) use named::{is_valid_name, parse_name, unlink as unlink_name, NAME_PREFIX};
 pub use tools::{gc, list, SegmentInfo};
 
+/// See [`crate::segments::guard_sigbus`].
+pub(crate) fn guard_sigbus() -> Result<()> {
+    fault::install().map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))
+}
+
 use crate::{Error, Result, SharingStrategy};
 
 /// The identity of a segment, the same in every process that maps it: the key of the

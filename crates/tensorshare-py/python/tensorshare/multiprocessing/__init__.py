@@ -20,7 +20,7 @@ from multiprocessing import *  # noqa: F401,F403
 
 from .. import _native
 from ._context import ByValueMixin as _ByValueMixin
-from ._context import TensorshareContext, get_context
+from ._context import TensorshareContext, _keep_sigbus_handler_in_torch_workers, get_context
 from .spawn import (
     ProcessContext,
     ProcessException,
@@ -99,3 +99,7 @@ def Pipe(duplex=True):
 def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
     """A pool of the default context: its functions may be lambdas."""
     return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
+# Workers that torch's own contexts fork from this process inherit the wrapper.
+_keep_sigbus_handler_in_torch_workers()

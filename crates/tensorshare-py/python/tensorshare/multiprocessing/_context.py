@@ -75,6 +75,24 @@ def _allocate_batches_in_arenas():
     torch.UntypedStorage._tensorshare_new_shared = True
 
 
+def _keep_sigbus_handler_in_torch_workers():
+    """In a process a tensorshare context started: a DataLoader worker installs torch's own
+    SIGBUS handler, which ends the worker on any bus error; tensorshare's goes back on top of
+    it, so that a named segment another process cut short still reads as zeros there (every
+    other SIGBUS still reaches torch's handler)."""
+    sh = sys.modules.get("torch.utils.data._utils.signal_handling")
+    if sh is None or getattr(sh._set_worker_signal_handlers, "_tensorshare", False):
+        return
+    original = sh._set_worker_signal_handlers
+
+    def _set_worker_signal_handlers(*args, **kwargs):
+        original(*args, **kwargs)
+        _native.guard_sigbus()
+
+    _set_worker_signal_handlers._tensorshare = True
+    sh._set_worker_signal_handlers = _set_worker_signal_handlers
+
+
 class ByValueMixin:
     """Sends a process's target and arguments to the child by value (a lambda, a closure, a
     local function), with tensors and queues as handles."""
@@ -92,6 +110,7 @@ class ByValueMixin:
 
     def _bootstrap(self, *args, **kwargs):
         _allocate_batches_in_arenas()
+        _keep_sigbus_handler_in_torch_workers()
         return super()._bootstrap(*args, **kwargs)
 
 
