@@ -1,5 +1,6 @@
 //! The hot paths, in one process: encoding and decoding a message of 1 and of 100 tensors,
-//! arena allocation and release, the receive-cache hit, an in-process queue round trip.
+//! arena allocation and release, the receive-cache hit, an in-process queue round trip, and
+//! the atomic view's per-element operations.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use std::hint::black_box;
@@ -59,5 +60,16 @@ fn queue(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, encode_decode, arena, queue);
+/// Hogwild's inner loop: one atomic add per element, on a private and on a shared tensor.
+fn atomic(c: &mut Criterion) {
+    let delta = vec![0.5f32; 1024];
+    for (what, t) in [("private", Tensor::zeros(&[1024], DType::F32)), ("shared", shared(1024))] {
+        let v = t.atomic::<f32>().unwrap();
+        c.bench_function(&format!("atomic add_slice, 1024 f32, {what}"), |b| {
+            b.iter(|| v.add_slice(black_box(&delta)))
+        });
+    }
+}
+
+criterion_group!(benches, encode_decode, arena, queue, atomic);
 criterion_main!(benches);

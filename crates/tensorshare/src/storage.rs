@@ -220,8 +220,8 @@ impl Storage {
     ///
     /// A write that another thread makes through a clone while the copy runs can be lost
     /// (it lands in the bytes left behind), as in torch: move a storage before handing
-    /// clones to writers. Atomic views move the storage when they are made, so none of their
-    /// updates is lost this way.
+    /// clones to writers. (Atomic views find the bytes again at each operation, so theirs
+    /// follow the move; only those made during the copy can be lost.)
     pub fn share_memory(&self) -> Result<()> {
         self.share_memory_with(get_sharing_strategy())
     }
