@@ -17,11 +17,13 @@ pub use crate::shm::{available_bytes, gc, list, shm_dir, SegmentInfo, SHM_DIR_EN
 /// Puts tensorshare's SIGBUS handler in place again, on top of whatever handler is
 /// installed now, which it calls for every SIGBUS that is not a cut named segment.
 ///
-/// Mapping a named segment installs the handler, and each later mapping checks that it is
-/// still there. A program that installs a SIGBUS handler of its own after that, one that
-/// does not pass the signal on, calls this once its handler is in place so that touching a
-/// named segment another process cut short keeps reading zeros instead of ending the
-/// process. (The Python package does it for torch's DataLoader workers.)
+/// Mapping the first named segment installs the handler. A SIGBUS handler installed after
+/// that takes its place; one that calls the handler it found keeps named segments covered,
+/// one that does not (torch's DataLoader workers install such a one) ends the process when
+/// it touches a named segment another process cut short. Call this once such a handler is
+/// in place. Not on top of a handler that passes SIGBUS on to tensorshare's: each would
+/// pass the signal to the other, which tensorshare's handler stops by ending the process as
+/// the default would. (The Python package calls this for torch's DataLoader workers.)
 ///
 /// # Errors
 /// [`Error::Io`](crate::Error::Io) when `sigaction` fails.

@@ -523,6 +523,50 @@ fn guard_sigbus_puts_the_handler_back_on_top_of_a_later_one() {
     assert_eq!(err.exit_code(), Some(77), "{err}");
 }
 
+/// The handler that `passes_back` found when it was installed: tensorshare's.
+static FOUND: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+extern "C" fn passes_back(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let f = FOUND.load(std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: FOUND holds the SA_SIGINFO handler that was installed before this one.
+    let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+        unsafe { std::mem::transmute(f) };
+    f(sig, info, ctx);
+}
+
+/// `guard_sigbus` on top of a handler that passes SIGBUS back to tensorshare's (misuse):
+/// a SIGBUS then goes round once and ends the process as the default would, instead of
+/// going round until the stack overflows.
+#[test]
+fn two_handlers_passing_sigbus_to_each_other_end_with_sigbus() {
+    let mut ctx = spawn(
+        |_rank, ()| {
+            tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+            let mut t = Tensor::full(&[1024], 1.0f32);
+            t.share_memory().unwrap(); // tensorshare's handler is installed
+                                       // SAFETY: installs a complete SA_SIGINFO disposition and keeps the one it
+                                       // replaces (tensorshare's) for `passes_back` to call.
+            unsafe {
+                let mut act: libc::sigaction = std::mem::zeroed();
+                act.sa_sigaction = passes_back as *const () as libc::sighandler_t;
+                act.sa_flags = libc::SA_SIGINFO;
+                let mut old: libc::sigaction = std::mem::zeroed();
+                libc::sigaction(libc::SIGBUS, &act, &mut old);
+                FOUND.store(old.sa_sigaction, std::sync::atomic::Ordering::Relaxed);
+            }
+            tensorshare::segments::guard_sigbus().unwrap();
+            // SAFETY: sends this process a SIGBUS, which is not a fault.
+            unsafe { libc::raise(libc::SIGBUS) };
+            println!("survived a SIGBUS");
+        },
+        (),
+        1,
+    )
+    .unwrap();
+    let err = ctx.join(None).unwrap_err();
+    assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
+}
+
 fn take_then_wait(_rank: usize, (q, got): (Queue<Tensor>, Queue<usize>)) {
     let mut held = Vec::new();
     while let Ok(t) = q.get() {

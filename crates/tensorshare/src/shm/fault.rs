@@ -15,14 +15,20 @@
 //! machine-check error, one sent with `kill`) goes to the disposition that was there before,
 //! as if this handler did not exist.
 //!
-//! A handler that another library installs later and that does not pass SIGBUS on (torch's
-//! DataLoader workers install one; `faulthandler.disable()` restores what it found) takes
-//! the place of this one: each registration puts this one back on top, chaining to the new
-//! one.
+//! A handler that another library installs later takes the place of this one. If it calls
+//! the one it found with the same arguments, named segments stay covered. If it does not
+//! (torch's DataLoader workers install such a one; Python's faulthandler reports the fault
+//! and raises the signal again, which is no longer a fault), a cut segment ends the process.
+//! A registration puts this handler back only where the disposition was reset to the
+//! default: on top of a handler that passes signals to it, the two would pass each signal
+//! back and forth. `guard_sigbus` puts it back on top of a handler known not to pass SIGBUS
+//! on. Should two handlers pass a signal round all the same, the second time it reaches this
+//! one ends the process as the default would.
 //!
 //! The handler is async-signal-safe: it reads a lock-free list of entries that are never
-//! freed (each entry a seqlock over its fields) and makes only system calls (`fstat`,
-//! `mmap`, `getpid`, `sched_yield` through rustix; `sigaction`, `pthread_sigmask` and
+//! freed (each entry a seqlock over its fields), two thread-local flags (const-initialised,
+//! no destructor: plain thread-local storage) and makes only system calls (`fstat`, `mmap`,
+//! `getpid`, `sched_yield` through rustix; `sigaction`, `pthread_sigmask`, `sigpending` and
 //! `raise` through libc, all async-signal-safe).
 
 use std::ffi::c_void;
@@ -64,6 +70,22 @@ static PAGE: AtomicUsize = AtomicUsize::new(0);
 /// registration replaces it still reads a valid one; there is one per time some other code
 /// took SIGBUS over.
 static PREVIOUS: AtomicPtr<libc::sigaction> = AtomicPtr::new(ptr::null_mut());
+/// A default disposition, made before the handler can run, for PREVIOUS to point at once a
+/// handler installed with SA_RESETHAND has been called (the handler cannot allocate).
+static DEFAULT: AtomicPtr<libc::sigaction> = AtomicPtr::new(ptr::null_mut());
+/// Whether this process (or the one it was forked from) ever installed the handler: from
+/// then on another handler may have saved ours as the one it passes SIGBUS on to.
+static EVER: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Set on a thread while it calls the previous handler: entering ours again then means
+    /// that handler called ours back, and passing the signal on again would never end.
+    static CHAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set when the previous handler left SIGBUS pending for this thread (raised it again,
+    /// as Python's faulthandler does, to be delivered once handlers return): if that signal
+    /// comes back to ours, the previous handler has had it once already.
+    static PASSED_ON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// A registered segment: unregistered when dropped, which must happen before the mapping is
 /// unmapped.
@@ -76,7 +98,7 @@ pub(crate) struct Guard {
 ///
 /// The caller keeps `fd` open and the range mapped until the returned guard is dropped.
 pub(crate) fn register(start: *const u8, len: usize, fd: BorrowedFd<'_>) -> Result<Guard> {
-    install().map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))?;
+    install(false).map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))?;
     let page = PAGE.load(Ordering::Relaxed);
     let len =
         len.checked_next_multiple_of(page).ok_or_else(|| Error::invalid("a segment length overflows"))?;
@@ -249,6 +271,11 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     if code == libc::BUS_ADRERR && recover(addr) {
         return;
     }
+    // The handler below ours passed the signal back to ours (it saved ours as its previous
+    // one): it has had it, and passing it on again would go round for ever.
+    if CHAINING.get() || (PASSED_ON.replace(false) && !recurs(code)) {
+        return die(sig, code);
+    }
     chain(sig, info, ctx);
 }
 
@@ -276,18 +303,15 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
         // the default on a fault it cannot deliver).
         return die(sig, code);
     }
-    // SAFETY: sigaction, pthread_sigmask are async-signal-safe; `dfl` is a valid
-    // disposition and `prev.sa_mask` a valid signal set.
-    let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
-    unsafe {
-        if prev.sa_flags & libc::SA_RESETHAND != 0 {
-            // The kernel would have reset the disposition before calling it.
-            let mut dfl: libc::sigaction = std::mem::zeroed();
-            dfl.sa_sigaction = libc::SIG_DFL;
-            libc::sigaction(sig, &dfl, ptr::null_mut());
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &prev.sa_mask, &mut saved);
+    if prev.sa_flags & libc::SA_RESETHAND != 0 {
+        // The kernel would have reset that disposition to the default before calling it:
+        // so does the chain (ours stays in place).
+        PREVIOUS.store(DEFAULT.load(Ordering::Relaxed), Ordering::Release);
     }
+    // SAFETY: pthread_sigmask is async-signal-safe; `prev.sa_mask` is a valid signal set.
+    let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &prev.sa_mask, &mut saved) };
+    CHAINING.set(true);
     if prev.sa_flags & libc::SA_SIGINFO != 0 {
         // SAFETY: a handler installed with SA_SIGINFO has this signature; it is called as
         // the kernel would have called it, with the same arguments.
@@ -299,8 +323,16 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
         let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
         f(sig);
     }
-    // SAFETY: restores the mask saved above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut()) };
+    CHAINING.set(false);
+    // SAFETY: sigpending and pthread_sigmask are async-signal-safe; `pending` is a valid set
+    // to fill, and `saved` the mask saved above.
+    unsafe {
+        let mut pending: libc::sigset_t = std::mem::zeroed();
+        if libc::sigpending(&mut pending) == 0 && libc::sigismember(&pending, sig) == 1 {
+            PASSED_ON.set(true);
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut());
+    }
 }
 
 /// Ends the process with `sig` as the default action would: a fault recurs when the access
@@ -319,9 +351,15 @@ fn die(sig: libc::c_int, code: libc::c_int) {
     }
 }
 
-/// Puts the handler in place, unless it already is: on the first registration, and again
-/// whenever other code has installed its own since (a forked child inherits it).
-pub(crate) fn install() -> std::io::Result<()> {
+/// Puts the handler in place, unless it already is.
+///
+/// The first time, over whatever is there (Rust's own handler, Python's faulthandler), which
+/// becomes the one every other SIGBUS goes to. After that, on its own (`over_handler` false)
+/// only where the disposition is no handler (default, or ignored: someone reset it): another
+/// library's handler may have saved ours as its previous one and pass SIGBUS on to it, and
+/// putting ours on top of it would make the two pass each signal back and forth.
+/// `over_handler` is for a handler known not to pass it on (see `guard_sigbus`).
+pub(crate) fn install(over_handler: bool) -> std::io::Result<()> {
     let ours = on_sigbus as *const () as libc::sighandler_t;
     // SAFETY: a query of the current disposition into a zeroed sigaction.
     let current = unsafe {
@@ -334,7 +372,25 @@ pub(crate) fn install() -> std::io::Result<()> {
     if current.sa_sigaction == ours {
         return Ok(());
     }
+    let no_handler = current.sa_sigaction == libc::SIG_DFL || current.sa_sigaction == libc::SIG_IGN;
+    if EVER.load(Ordering::Acquire) && !over_handler && !no_handler {
+        return Ok(());
+    }
     PAGE.store(rustix::param::page_size(), Ordering::Relaxed);
+    if DEFAULT.load(Ordering::Acquire).is_null() {
+        // SAFETY: all zeros is SIG_DFL with no flags and an empty mask.
+        let dfl: libc::sigaction = unsafe { std::mem::zeroed() };
+        let _ = DEFAULT.compare_exchange(
+            ptr::null_mut(),
+            Box::leak(Box::new(dfl)),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+    // Published before ours can run, so that a signal that comes between the swap below and
+    // the end of this function is passed to what was there.
+    PREVIOUS.store(Box::leak(Box::new(current)), Ordering::Release);
+    EVER.store(true, Ordering::Release);
     // SAFETY: `act` is a complete sigaction for a handler with the SA_SIGINFO signature;
     // `old` receives the disposition it replaces, in the same step.
     let old = unsafe {
@@ -348,9 +404,10 @@ pub(crate) fn install() -> std::io::Result<()> {
         }
         old
     };
-    // Another thread may have put ours in place between the query and the swap: then `old`
-    // is ours, and chaining to it would loop.
-    if old.sa_sigaction != ours {
+    // The disposition changed between the query and the swap (another thread, another
+    // library): pass signals to what the swap replaced, unless that is ours, installed by
+    // another thread meanwhile, which must never be its own previous.
+    if old.sa_sigaction != current.sa_sigaction && old.sa_sigaction != ours {
         PREVIOUS.store(Box::leak(Box::new(old)), Ordering::Release);
     }
     Ok(())

@@ -24,7 +24,7 @@ pub use tools::{gc, list, SegmentInfo};
 
 /// See [`crate::segments::guard_sigbus`].
 pub(crate) fn guard_sigbus() -> Result<()> {
-    fault::install().map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))
+    fault::install(true).map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))
 }
 
 use crate::{Error, Result, SharingStrategy};
