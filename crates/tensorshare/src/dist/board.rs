@@ -13,8 +13,8 @@
 //! ```
 //!
 //! Collectives alternate between the two sets: a rank writes set `k % 2` in its `k`-th
-//! collective only after every rank has reached that collective's first barrier, which each
-//! reached after it was done reading set `k % 2` of collective `k - 2`.
+//! collective only after every rank has reached the first barrier of collective `k - 1`,
+//! which each reached after it was done reading set `k % 2` of collective `k - 2`.
 //!
 //! The barrier is a counter and a generation: the last rank to arrive resets the counter
 //! and bumps the generation, which the others watch, spinning briefly, then asleep on a
@@ -193,15 +193,9 @@ impl Board {
     /// The offset and length of `area`, checked against the layout.
     fn span(&self, area: Area) -> Result<(usize, usize)> {
         let l = &self.layout;
-        let (start, len, ok) = match area {
-            Area::Record { set, rank } => {
-                (l.records + (set * l.n + rank) * RECORD, RECORD, set < 2 && rank < l.n)
-            }
-            Area::Verdict { set } => (l.verdicts + set * RECORD, RECORD, set < 2),
-            Area::Slot { set, rank } => {
-                (l.slots + (set * l.n + rank) * l.slot, l.slot, set < 2 && rank < l.n)
-            }
-            Area::Result { set } => (l.results + set * l.slot, l.slot, set < 2),
+        let ok = match area {
+            Area::Record { set, rank } | Area::Slot { set, rank } => set < 2 && rank < l.n,
+            Area::Verdict { set } | Area::Result { set } => set < 2,
         };
         if !ok {
             return Err(Error::invalid_argument(
@@ -209,7 +203,14 @@ impl Board {
                 format!("{area:?} on a board of {} ranks", l.n),
             ));
         }
-        Ok((start, len))
+        // In bounds now, so within the layout, whose offsets were summed with checked
+        // arithmetic when it was made.
+        Ok(match area {
+            Area::Record { set, rank } => (l.records + (set * l.n + rank) * RECORD, RECORD),
+            Area::Verdict { set } => (l.verdicts + set * RECORD, RECORD),
+            Area::Slot { set, rank } => (l.slots + (set * l.n + rank) * l.slot, l.slot),
+            Area::Result { set } => (l.results + set * l.slot, l.slot),
+        })
     }
 
     /// The address of bytes `offset..offset + len` of `area`, checked.

@@ -59,18 +59,22 @@ pub(super) fn recv_bytes(comm: &SimpleCommunicator, src: usize) -> Result<Vec<u8
     if !inline.is_empty() {
         return Err(bad("bytes in the head of a large message".into()));
     }
-    let mut out = Vec::new();
-    out.try_reserve_exact(total).map_err(|_| Error::AllocationFailed { bytes: total })?;
-    out.resize(total, 0);
-    for piece in out.chunks_mut(PIECE) {
+    // The buffer grows as pieces arrive, each once MPI has matched it: the length in the head
+    // is only a claim, and memory follows the bytes the sender really sends.
+    let mut out: Vec<u8> = Vec::new();
+    while out.len() < total {
+        let due = (total - out.len()).min(PIECE);
         let (message, status) = from.matched_probe();
         let count = usize::try_from(status.count(u8::equivalent_datatype())).unwrap_or(usize::MAX);
-        if count != piece.len() {
-            // Taken off the wire all the same, so that it cannot truncate into `piece`.
+        if count != due {
+            // Taken off the wire all the same, so that it cannot truncate into the buffer.
             let _ = mpi::point_to_point::MatchedReceiveVec::matched_receive_vec::<u8>((message, status));
-            return Err(bad(format!("a piece of {count} bytes where {} were due", piece.len())));
+            return Err(bad(format!("a piece of {count} bytes where {due} were due")));
         }
-        message.matched_receive_into(piece);
+        let at = out.len();
+        out.try_reserve(due).map_err(|_| Error::AllocationFailed { bytes: total })?;
+        out.resize(at + due, 0);
+        message.matched_receive_into(&mut out[at..]);
     }
     Ok(out)
 }
