@@ -5,7 +5,9 @@
 //! A rank's sockets close when its process ends, however it ends: a peer that waits on it
 //! (in a receive, or at the board's barrier, which polls the sockets) gets an error that
 //! names it. A rank that leaves the process group after a failure closes its sockets on
-//! purpose, for the same effect.
+//! purpose, for the same effect. A process the rank forked may hold the sockets on, so each
+//! peer is also watched through a pidfd of its own process, which the kernel makes readable
+//! when that process ends, whatever still holds its sockets.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -35,6 +37,18 @@ pub(super) struct Peer {
     pub(super) rank: usize,
     pub(super) p2p: Arc<OwnedFd>,
     pub(super) coll: Arc<OwnedFd>,
+    /// A pidfd of its process, where the kernel gives one (else its sockets alone tell).
+    pub(super) pidfd: Option<OwnedFd>,
+}
+
+impl Peer {
+    /// Whether its process has ended (its pidfd is readable).
+    fn ended(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return false };
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+    }
 }
 
 /// What this rank shares with the other ranks of its node.
@@ -70,9 +84,10 @@ impl NodeLinks {
         during: &str,
     ) -> Result<()> {
         let (fd, rank) = self.fd(local, ch)?;
+        let peer = self.peer(local)?;
         let msg = wire::encode(value)?;
-        // A closed peer shows as EPIPE: no liveness check is needed while the socket is full.
-        socket::send(fd.as_fd(), msg, Deadline::after(None), &|| true)
+        // A closed peer shows as EPIPE; one whose sockets a fork holds, through its pidfd.
+        socket::send(fd.as_fd(), msg, Deadline::after(None), &|| !peer.ended())
             .map_err(|e| gone(e, topo, self.cause(topo, rank), during))?;
         if let Some(bell) = self.board.bell(local, ch as usize) {
             bell.ring();
@@ -90,9 +105,10 @@ impl NodeLinks {
         during: &str,
     ) -> Result<T> {
         let (fd, rank) = self.fd(local, ch)?;
+        let peer = self.peer(local)?;
         let awake = (self.board.bell(self.me, ch as usize))
             .map(|bell| socket::Awake { bell, patience: &self.patience[ch as usize] });
-        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| true, awake)
+        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| !peer.ended(), awake)
             .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
         record.decode_received()
     }
@@ -111,7 +127,7 @@ impl NodeLinks {
             Err(e) => return Err(Error::io("poll of the node's sockets", e)),
         }
         for (fd, p) in fds.iter().zip(&present) {
-            if fd.revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
+            if fd.revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) || p.ended() {
                 return Err(topo.gone(self.cause(topo, p.rank), during).into());
             }
         }

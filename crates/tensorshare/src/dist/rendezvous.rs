@@ -143,8 +143,22 @@ fn peers(topo: &Topology, links: Ends) -> Vec<Option<Peer>> {
     links
         .into_iter()
         .zip(topo.local_ranks())
-        .map(|(l, &rank)| l.map(|(p, c)| Peer { rank, p2p: p.socket().clone(), coll: c.socket().clone() }))
+        .map(|(l, &rank)| {
+            l.map(|(p, c)| Peer {
+                rank,
+                p2p: p.socket().clone(),
+                coll: c.socket().clone(),
+                pidfd: pidfd(topo, rank),
+            })
+        })
         .collect()
+}
+
+/// A pidfd of `rank`'s process, by the pid the rank reported; none where the kernel has no
+/// pidfds (before 5.3) or the process is already gone (its sockets then tell).
+fn pidfd(topo: &Topology, rank: usize) -> Option<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(i32::try_from(topo.pid(rank)).ok()?)?;
+    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
 }
 
 /// A listening socket with a fresh random abstract name, and the name.

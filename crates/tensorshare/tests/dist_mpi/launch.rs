@@ -197,6 +197,40 @@ pub fn a_rank_that_dies_is_named_by_the_others() -> Outcome {
     Outcome::Passed
 }
 
+/// As above, but rank 2 leaves a forked child that holds its sockets and lives until the
+/// job ends: the others still see rank 2's death (through its pidfd) and name it.
+pub fn a_rank_that_dies_leaving_a_fork_is_named_by_the_others() -> Outcome {
+    let scratch = Scratch::new("dies-fork");
+    let mut cmd = Command::new(mpirun_program());
+    environment(&mut cmd, &scratch);
+    cmd.args(mpirun_args(&scratch)).args([
+        "--oversubscribe",
+        "--enable-recovery",
+        "-np",
+        "4",
+        &exe(),
+        "--scenario",
+        "dies_leaving_a_fork",
+    ]);
+    let out = match run(cmd) {
+        Ok((_, out)) => out,
+        Err(e) => return Outcome::Failed(e),
+    };
+    for r in [0, 1, 3] {
+        let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
+            return Outcome::Failed(format!("rank {r} did not report\n{out}"));
+        };
+        if !line.contains("rank 2 (pid") {
+            return Outcome::Failed(format!("rank {r} did not name rank 2: {line}\n{out}"));
+        }
+    }
+    let left = scratch.leftovers(&[]);
+    if !left.is_empty() {
+        return Outcome::Failed(format!("the run left {left:?} behind\n{out}"));
+    }
+    Outcome::Passed
+}
+
 /// Whether a run in which rank 2 died says so: mpirun's own report names it, or a survivor
 /// that mpirun noticed first printed the `RankGone` naming it; and no rank 2 reported ok.
 fn names_rank_2(out: &str) -> bool {

@@ -70,5 +70,9 @@ const TESTS: &[(&str, Test)] = &[
     ("four_ranks_on_one_node", launch::four_ranks_on_one_node),
     ("a_job_of_one_rank_without_mpirun", launch::a_job_of_one_rank_without_mpirun),
     ("a_rank_that_dies_is_named_by_the_others", launch::a_rank_that_dies_is_named_by_the_others),
+    (
+        "a_rank_that_dies_leaving_a_fork_is_named_by_the_others",
+        launch::a_rank_that_dies_leaving_a_fork_is_named_by_the_others,
+    ),
     ("two_nodes_in_network_namespaces", launch::two_nodes_in_network_namespaces),
 ];

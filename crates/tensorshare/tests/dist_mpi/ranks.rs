@@ -36,7 +36,8 @@ pub fn run(name: &str) -> i32 {
         "node" => suite::node(),
         "nodes" => suite::nodes(),
         "single" => single(),
-        "dies" => dies(),
+        "dies" => dies(false),
+        "dies_leaving_a_fork" => dies(true),
         other => Err(format!("no scenario {other:?}")),
     };
     // The launcher's word (a session may have ended); a job without mpirun is rank 0.
@@ -90,14 +91,39 @@ fn single() -> Check<String> {
 }
 
 /// Rank 2 kills itself while the others wait on it: in a receive (rank 1) and in a
-/// collective (ranks 0 and 3). Each must name rank 2, and stay broken.
-fn dies() -> Check<String> {
+/// collective (ranks 0 and 3). Each must name rank 2, and stay broken. With `leave_fork`,
+/// rank 2 first forks a child that holds its sockets open and outlives it (until the
+/// launcher that started rank 2 ends): its death must be seen all the same.
+fn dies(leave_fork: bool) -> Check<String> {
     let _session = dist::init().ctx("init")?;
     let rank = dist::rank().ctx("rank")?;
     ensure!(dist::world_size().ctx("size")? == 4, "this scenario runs on 4 ranks");
     dist::barrier().ctx("barrier")?;
     let e = match rank {
         2 => {
+            if leave_fork {
+                let launcher = rustix::process::getppid().ok_or("rank 2 has no parent")?;
+                // SAFETY: the child makes only system calls (pidfd_open, poll) and _exits; it
+                // touches nothing another thread of this process could have left half done.
+                if unsafe { libc::fork() } == 0 {
+                    // Off the launcher's output pipes, which it drains before it ends.
+                    // SAFETY: open and dup2 of descriptors this child owns.
+                    unsafe {
+                        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                        for std in 0..3 {
+                            libc::dup2(null, std);
+                        }
+                    }
+                    if let Ok(fd) =
+                        rustix::process::pidfd_open(launcher, rustix::process::PidfdFlags::empty())
+                    {
+                        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+                        let _ = rustix::event::poll(&mut fds, None);
+                    }
+                    // SAFETY: ends the child without running the parent's exit handlers.
+                    unsafe { libc::_exit(0) };
+                }
+            }
             // SAFETY: kill has no memory preconditions; the process ends here.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             return Err("still alive after SIGKILL".into());
