@@ -5,6 +5,7 @@ memory is full. Each case runs in a Python process of its own."""
 import os
 import select
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -126,8 +127,8 @@ def test_sigkill_mid_stream_leaves_nothing_in_dev_shm(victim):
 
 def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
     # A named file cannot be sealed: here its creator cuts it to half under a receiver that
-    # uses the default strategy, then to nothing. Both keep running: the cut pages read as
-    # zeros, the rest stays shared. faulthandler is enabled first, as pytest and
+    # uses the default strategy. Both keep running: the cut pages read as zeros, the rest
+    # stays shared. faulthandler is enabled first, as pytest and
     # `python -X faulthandler` do: it must never see the fault.
     import_torch()
     out = run_python(
@@ -148,7 +149,7 @@ def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
             mp.set_sharing_strategy("file_system")
             ctx = mp.get_context("fork")
             q, ready, go = ctx.Queue(), ctx.Queue(), ctx.SimpleQueue()
-            p = ctx.Process(target=consume, args=(q, ready, go))
+            p = ctx.Process(target=consume, args=(q, ready, go), daemon=True)
             p.start()
             n = 1 << 20
             t = torch.ones(n)
@@ -178,6 +179,31 @@ def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
     )
     assert out.returncode == 0, out.stderr
     assert "exitcode 0" in out.stdout, out.stdout + out.stderr
+
+
+def test_with_the_sigbus_handler_turned_off_a_cut_named_segment_is_a_bus_error():
+    # TENSORSHARE_SIGBUS_HANDLER=0 keeps tensorshare's signal handling out of the process:
+    # a cut named segment is then what it is in torch.
+    import_torch()
+    out = run_python(
+        """
+        import os
+        import torch
+        import tensorshare
+        import tensorshare.multiprocessing as mp
+
+        mp.set_sharing_strategy("file_system")
+        t = tensorshare.empty_shared((1 << 20,), torch.float32)
+        t.fill_(1.0)
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(f"tensorshare_{os.getpid()}_") and not n.endswith("_group"):
+                os.truncate(f"/dev/shm/{n}", 0)
+        print("sum", float(t.sum()), flush=True)
+        """,
+        env={"TENSORSHARE_SHM_GROUP": "", "TENSORSHARE_SIGBUS_HANDLER": "0"},
+    )
+    assert out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr)
+    assert "sum" not in out.stdout
 
 
 @pytest.mark.parametrize("context", ["tensorshare", "torch"])

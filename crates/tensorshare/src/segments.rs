@@ -9,10 +9,11 @@
 //!
 //! Linux cannot seal a named file, so another process can truncate one under its readers.
 //! The pages it cut off then read as zeros instead of raising SIGBUS, through a handler
-//! that mapping a named segment installs (see the README's threat model); [`guard_sigbus`]
-//! puts it back on top of a SIGBUS handler installed later.
+//! that mapping a named segment installs (see the README's threat model; set
+//! [`SIGBUS_HANDLER_ENV`] to `0` to keep it out); [`guard_sigbus`] puts it back on top of a
+//! SIGBUS handler installed later.
 
-pub use crate::shm::{available_bytes, gc, list, shm_dir, SegmentInfo, SHM_DIR_ENV};
+pub use crate::shm::{available_bytes, gc, list, shm_dir, SegmentInfo, SHM_DIR_ENV, SIGBUS_HANDLER_ENV};
 
 /// Puts tensorshare's SIGBUS handler in place again, on top of whatever handler is
 /// installed now, which it calls for every SIGBUS that is not a cut named segment.

@@ -465,14 +465,20 @@ fn a_sigbus_outside_named_segments_still_ends_the_process() {
         1,
     )
     .unwrap();
-    let err = ctx.join(None).unwrap_err();
+    let joined = ctx.join(None);
     std::fs::remove_file(&path).unwrap();
+    let err = joined.unwrap_err();
     assert_eq!(err.signal_name(), Some("SIGBUS"), "{err}");
 }
 
+/// Set once the cut named segment has been read as zeros: only a SIGBUS after that is the
+/// one `exit_77` is there for.
+static ZEROS_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 extern "C" fn exit_77(_sig: libc::c_int) {
+    let code = if ZEROS_SEEN.load(std::sync::atomic::Ordering::Relaxed) { 77 } else { 78 };
     // SAFETY: _exit is async-signal-safe.
-    unsafe { libc::_exit(77) }
+    unsafe { libc::_exit(code) }
 }
 
 /// A program that installs a SIGBUS handler of its own after tensorshare's (one that does not
@@ -493,6 +499,7 @@ fn guard_sigbus_puts_the_handler_back_on_top_of_a_later_one() {
             tensorshare::segments::guard_sigbus().unwrap();
             std::fs::OpenOptions::new().write(true).open(&seg).unwrap().set_len(0).unwrap();
             assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == 0.0), "the cut reads as zeros");
+            ZEROS_SEEN.store(true, std::sync::atomic::Ordering::Relaxed);
             let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
             // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw
             // pointers only.
@@ -518,9 +525,10 @@ fn guard_sigbus_puts_the_handler_back_on_top_of_a_later_one() {
         1,
     )
     .unwrap();
-    let err = ctx.join(None).unwrap_err();
+    let joined = ctx.join(None);
     std::fs::remove_file(&path).unwrap();
-    assert_eq!(err.exit_code(), Some(77), "{err}");
+    let err = joined.unwrap_err();
+    assert_eq!(err.exit_code(), Some(77), "{err} (78: the program's handler got the cut segment's fault)");
 }
 
 /// The handler that `passes_back` found when it was installed: tensorshare's.
@@ -543,17 +551,21 @@ fn two_handlers_passing_sigbus_to_each_other_end_with_sigbus() {
         |_rank, ()| {
             tensorshare::set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
             let mut t = Tensor::full(&[1024], 1.0f32);
-            t.share_memory().unwrap(); // tensorshare's handler is installed
-                                       // SAFETY: installs a complete SA_SIGINFO disposition and keeps the one it
-                                       // replaces (tensorshare's) for `passes_back` to call.
-            unsafe {
+            // tensorshare's handler is installed here.
+            t.share_memory().unwrap();
+            // SAFETY: installs a complete SA_SIGINFO disposition and keeps the one it
+            // replaces (tensorshare's, checked below) for `passes_back` to call.
+            let (rc, old) = unsafe {
                 let mut act: libc::sigaction = std::mem::zeroed();
                 act.sa_sigaction = passes_back as *const () as libc::sighandler_t;
                 act.sa_flags = libc::SA_SIGINFO;
                 let mut old: libc::sigaction = std::mem::zeroed();
-                libc::sigaction(libc::SIGBUS, &act, &mut old);
-                FOUND.store(old.sa_sigaction, std::sync::atomic::Ordering::Relaxed);
-            }
+                let rc = libc::sigaction(libc::SIGBUS, &act, &mut old);
+                (rc, old)
+            };
+            assert_eq!(rc, 0);
+            assert!(old.sa_flags & libc::SA_SIGINFO != 0 && old.sa_sigaction > 1, "tensorshare's handler");
+            FOUND.store(old.sa_sigaction, std::sync::atomic::Ordering::Relaxed);
             tensorshare::segments::guard_sigbus().unwrap();
             // SAFETY: sends this process a SIGBUS, which is not a fault.
             unsafe { libc::raise(libc::SIGBUS) };

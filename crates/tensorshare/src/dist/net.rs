@@ -72,7 +72,12 @@ pub(super) fn recv_bytes(comm: &SimpleCommunicator, src: usize) -> Result<Vec<u8
             return Err(bad(format!("a piece of {count} bytes where {due} were due")));
         }
         let at = out.len();
-        out.try_reserve(due).map_err(|_| Error::AllocationFailed { bytes: total })?;
+        if out.capacity() - at < due {
+            // Doubling, but never past the announced total, so that a genuine large message
+            // does not ask for up to twice its size.
+            let grow = at.max(due).min(total - at);
+            out.try_reserve_exact(grow).map_err(|_| Error::AllocationFailed { bytes: at + grow })?;
+        }
         out.resize(at + due, 0);
         message.matched_receive_into(&mut out[at..]);
     }

@@ -5,6 +5,7 @@
 //! Everything here is Linux. A macOS backend (file_system only) would replace this module.
 
 mod fault;
+pub use fault::SIGBUS_HANDLER_ENV;
 pub(crate) mod group;
 mod limits;
 mod named;

@@ -54,6 +54,8 @@ def set_sharing_strategy(new_strategy):
     if new_strategy not in _native.get_all_sharing_strategies():
         raise ValueError(f"unknown sharing strategy {new_strategy!r}")
     _native.set_sharing_strategy(new_strategy)
+    # Named segments from here on, most likely with torch imported by now.
+    _keep_sigbus_handler_in_torch_workers()
 
 
 def get_sharing_strategy():

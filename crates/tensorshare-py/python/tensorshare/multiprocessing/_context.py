@@ -80,6 +80,8 @@ def _keep_sigbus_handler_in_torch_workers():
     SIGBUS handler, which ends the worker on any bus error; tensorshare's goes back on top of
     it, so that a named segment another process cut short still reads as zeros there (every
     other SIGBUS still reaches torch's handler)."""
+    if os.environ.get("TENSORSHARE_SIGBUS_HANDLER", "").strip() == "0":
+        return  # the process's signal handling is to stay untouched
     sh = sys.modules.get("torch.utils.data._utils.signal_handling")
     if sh is None or getattr(sh._set_worker_signal_handlers, "_tensorshare", False):
         return

@@ -25,18 +25,18 @@
 //! one ends the process as the default would.
 //!
 //! The handler is async-signal-safe: it reads a lock-free list of entries that are never
-//! freed (`registry`, each entry a seqlock over its fields), two thread-local flags (const-initialised,
-//! no destructor: plain thread-local storage) and makes only system calls (`fstat`, `mmap`,
-//! `getpid`, `sched_yield` through rustix; `sigaction`, `pthread_sigmask`, `sigpending` and
-//! `raise` through libc, all async-signal-safe).
+//! freed (`registry`, each entry a seqlock over its fields) and a few atomics, and makes
+//! only system calls (`fstat`, `mmap`, `getpid`, `gettid`, `sched_yield` through rustix;
+//! `sigaction`, `pthread_sigmask`, `sigpending` and `raise` through libc, all
+//! async-signal-safe).
 
 mod registry;
 
 use std::ffi::c_void;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicUsize, Ordering};
 
-use registry::{recover, PAGE};
+use registry::recover;
 pub(crate) use registry::{register, Guard};
 
 /// The SIGBUS disposition found when this handler was last put in place: where every signal
@@ -51,14 +51,28 @@ static DEFAULT: AtomicPtr<libc::sigaction> = AtomicPtr::new(ptr::null_mut());
 /// then on another handler may have saved ours as the one it passes SIGBUS on to.
 static EVER: AtomicBool = AtomicBool::new(false);
 
-thread_local! {
-    /// Set on a thread while it calls the previous handler: entering ours again then means
-    /// that handler called ours back, and passing the signal on again would never end.
-    static CHAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// Set when the previous handler left SIGBUS pending for this thread (raised it again,
-    /// as Python's faulthandler does, to be delivered once handlers return): if that signal
-    /// comes back to ours, the previous handler has had it once already.
-    static PASSED_ON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// The thread (its tid) that is calling the previous handler, and how deep its stack was
+/// then: ours entered again on that thread, deeper, means that handler called ours back,
+/// and passing the signal on again would never end. Process-wide atomics rather than
+/// thread-locals, whose first use in a library loaded with dlopen may allocate. Should two
+/// threads chain at once, one overwrites the other, and that thread's loop is caught at its
+/// next turn.
+static CHAIN_TID: AtomicI32 = AtomicI32::new(0);
+static CHAIN_SP: AtomicUsize = AtomicUsize::new(0);
+/// The thread for which the previous handler left SIGBUS pending (raised it again, as
+/// Python's faulthandler does, to be delivered once handlers return): if that signal comes
+/// back to ours, the previous handler has had it once already.
+static PASSED_TID: AtomicI32 = AtomicI32::new(0);
+
+fn tid() -> i32 {
+    rustix::thread::gettid().as_raw_nonzero().get()
+}
+
+/// An address in the current stack frame (the stack grows down on every Linux target).
+#[inline(always)]
+fn stack_depth() -> usize {
+    let marker = 0u8;
+    std::ptr::addr_of!(marker) as usize
 }
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
@@ -70,8 +84,13 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         return;
     }
     // The handler below ours passed the signal back to ours (it saved ours as its previous
-    // one): it has had it, and passing it on again would go round for ever.
-    if CHAINING.get() || (PASSED_ON.replace(false) && !recurs(code)) {
+    // one): it has had it, and passing it on again would go round for ever. Nested inside
+    // that handler's call, ours runs deeper on the stack than `chain` did; a handler that
+    // left with siglongjmp never returned to clear the mark, and a later signal runs higher.
+    let me = tid();
+    let looped = CHAIN_TID.load(Ordering::Acquire) == me && stack_depth() < CHAIN_SP.load(Ordering::Acquire);
+    let passed = PASSED_TID.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+    if looped || (passed && !recurs(code)) {
         return die(sig, code);
     }
     chain(sig, info, ctx);
@@ -106,10 +125,14 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
         // so does the chain (ours stays in place).
         PREVIOUS.store(DEFAULT.load(Ordering::Relaxed), Ordering::Release);
     }
-    // SAFETY: pthread_sigmask is async-signal-safe; `prev.sa_mask` is a valid signal set.
+    // SAFETY: an all-zero sigset_t is a valid (empty) set, filled in below.
     let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pthread_sigmask is async-signal-safe; `prev.sa_mask` is a valid signal set and
+    // `saved` a set to fill.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &prev.sa_mask, &mut saved) };
-    CHAINING.set(true);
+    let me = tid();
+    CHAIN_SP.store(stack_depth(), Ordering::Release);
+    CHAIN_TID.store(me, Ordering::Release);
     if prev.sa_flags & libc::SA_SIGINFO != 0 {
         // SAFETY: a handler installed with SA_SIGINFO has this signature; it is called as
         // the kernel would have called it, with the same arguments.
@@ -121,13 +144,15 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
         let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
         f(sig);
     }
-    CHAINING.set(false);
+    let _ = CHAIN_TID.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Relaxed);
     // SAFETY: sigpending and pthread_sigmask are async-signal-safe; `pending` is a valid set
     // to fill, and `saved` the mask saved above.
     unsafe {
         let mut pending: libc::sigset_t = std::mem::zeroed();
+        // (A SIGBUS pending for the whole process, sent meanwhile, counts too: it then ends
+        // the process as the default would if it reaches this thread's handler.)
         if libc::sigpending(&mut pending) == 0 && libc::sigismember(&pending, sig) == 1 {
-            PASSED_ON.set(true);
+            PASSED_TID.store(me, Ordering::Release);
         }
         libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut());
     }
@@ -149,6 +174,18 @@ fn die(sig: libc::c_int, code: libc::c_int) {
     }
 }
 
+/// Set to `0` to keep tensorshare from installing its SIGBUS handler when a process maps a
+/// named segment (a program whose own signal handling must stay untouched: a runtime that
+/// embeds it, a crash reporter). A cut named segment then ends a process that touches it,
+/// as in torch. [`crate::segments::guard_sigbus`] still installs it on request.
+pub const SIGBUS_HANDLER_ENV: &str = "TENSORSHARE_SIGBUS_HANDLER";
+
+/// Whether the handler may be installed on its own (see [`SIGBUS_HANDLER_ENV`]).
+fn wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var(SIGBUS_HANDLER_ENV).map_or(true, |v| v.trim() != "0"))
+}
+
 /// Puts the handler in place, unless it already is.
 ///
 /// The first time, over whatever is there (Rust's own handler, Python's faulthandler), which
@@ -158,6 +195,9 @@ fn die(sig: libc::c_int, code: libc::c_int) {
 /// putting ours on top of it would make the two pass each signal back and forth.
 /// `over_handler` is for a handler known not to pass it on (see `guard_sigbus`).
 pub(crate) fn install(over_handler: bool) -> std::io::Result<()> {
+    if !over_handler && !wanted() {
+        return Ok(());
+    }
     let ours = on_sigbus as *const () as libc::sighandler_t;
     // SAFETY: a query of the current disposition into a zeroed sigaction.
     let current = unsafe {
@@ -174,7 +214,6 @@ pub(crate) fn install(over_handler: bool) -> std::io::Result<()> {
     if EVER.load(Ordering::Acquire) && !over_handler && !no_handler {
         return Ok(());
     }
-    PAGE.store(rustix::param::page_size(), Ordering::Relaxed);
     if DEFAULT.load(Ordering::Acquire).is_null() {
         // SAFETY: all zeros is SIG_DFL with no flags and an empty mask.
         let dfl: libc::sigaction = unsafe { std::mem::zeroed() };

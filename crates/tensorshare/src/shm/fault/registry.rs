@@ -34,7 +34,8 @@ struct Entry {
 }
 
 static HEAD: AtomicPtr<Entry> = AtomicPtr::new(ptr::null_mut());
-pub(super) static PAGE: AtomicUsize = AtomicUsize::new(0);
+/// The page size, set by the first registration (before any entry can be found).
+static PAGE: AtomicUsize = AtomicUsize::new(0);
 /// A registered segment: unregistered when dropped, which must happen before the mapping is
 /// unmapped.
 pub(crate) struct Guard {
@@ -47,7 +48,10 @@ pub(crate) struct Guard {
 /// The caller keeps `fd` open and the range mapped until the returned guard is dropped.
 pub(crate) fn register(start: *const u8, len: usize, fd: BorrowedFd<'_>) -> Result<Guard> {
     super::install(false).map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))?;
-    let page = PAGE.load(Ordering::Relaxed);
+    // Set here, not when the handler is installed: segments are registered even where it is
+    // not (see `SIGBUS_HANDLER_ENV`), so that `guard_sigbus` covers them later.
+    let page = rustix::param::page_size();
+    PAGE.store(page, Ordering::Relaxed);
     let len =
         len.checked_next_multiple_of(page).ok_or_else(|| Error::invalid("a segment length overflows"))?;
     let entry = claim();
