@@ -423,6 +423,32 @@ fn a_truncated_named_segment_reads_as_zeros_not_sigbus() {
     checked!(named_truncation, (), ());
 }
 
+/// Maps `path` (a file of 64 KiB of sevens, not a segment), cuts it to nothing and reads a
+/// cut page: a SIGBUS that is not tensorshare's to mend.
+fn touch_a_cut_page(path: &std::path::Path) {
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw pointers
+    // only.
+    let p = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            1 << 16,
+            rustix::mm::ProtFlags::READ,
+            rustix::mm::MapFlags::SHARED,
+            &file,
+            0,
+        )
+    }
+    .unwrap()
+    .cast::<u8>();
+    // SAFETY: within the mapping, which is still there.
+    assert_eq!(unsafe { p.read_volatile() }, 7);
+    file.set_len(0).unwrap();
+    // SAFETY: within the mapping; the page is cut, so this raises SIGBUS.
+    let v = unsafe { p.add(4096).read_volatile() };
+    println!("read {v} from a cut page");
+}
+
 /// The handler mends only named segments: a SIGBUS from any other mapping still ends the
 /// process with SIGBUS, as it would have without tensorshare.
 #[test]
@@ -439,27 +465,7 @@ fn a_sigbus_outside_named_segments_still_ends_the_process() {
             let mut t = Tensor::full(&[1024], 1.0f32);
             t.share_memory().unwrap(); // a named segment: the handler is installed
             assert!(t.storage().segment_name().is_some());
-            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-            // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw
-            // pointers only.
-            let p = unsafe {
-                rustix::mm::mmap(
-                    std::ptr::null_mut(),
-                    1 << 16,
-                    rustix::mm::ProtFlags::READ,
-                    rustix::mm::MapFlags::SHARED,
-                    &file,
-                    0,
-                )
-            }
-            .unwrap()
-            .cast::<u8>();
-            // SAFETY: within the mapping, which is still there.
-            assert_eq!(unsafe { p.read_volatile() }, 7);
-            file.set_len(0).unwrap();
-            // SAFETY: within the mapping; the page is cut, so this raises SIGBUS.
-            let v = unsafe { p.add(4096).read_volatile() };
-            println!("read {v} from a cut page");
+            touch_a_cut_page(&path);
         },
         path.clone(),
         1,
@@ -500,26 +506,7 @@ fn guard_sigbus_puts_the_handler_back_on_top_of_a_later_one() {
             std::fs::OpenOptions::new().write(true).open(&seg).unwrap().set_len(0).unwrap();
             assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == 0.0), "the cut reads as zeros");
             ZEROS_SEEN.store(true, std::sync::atomic::Ordering::Relaxed);
-            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-            // SAFETY: a fresh shared mapping of a file of 64 KiB, read below through raw
-            // pointers only.
-            let p = unsafe {
-                rustix::mm::mmap(
-                    std::ptr::null_mut(),
-                    1 << 16,
-                    rustix::mm::ProtFlags::READ,
-                    rustix::mm::MapFlags::SHARED,
-                    &file,
-                    0,
-                )
-            }
-            .unwrap()
-            .cast::<u8>();
-            file.set_len(0).unwrap();
-            // SAFETY: within the mapping; the page is cut, so this raises SIGBUS, which the
-            // program's handler answers with exit code 77.
-            let v = unsafe { p.add(4096).read_volatile() };
-            println!("read {v} from a cut page");
+            touch_a_cut_page(&path); // which the program's handler answers with exit code 77
         },
         path.clone(),
         1,

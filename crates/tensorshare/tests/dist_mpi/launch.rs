@@ -148,36 +148,42 @@ pub fn a_job_of_one_rank_without_mpirun() -> Outcome {
     }
 }
 
-pub fn a_rank_that_dies_is_named_by_the_others() -> Outcome {
-    let scratch = Scratch::new("dies");
+/// Runs `scenario`, in which rank 2 dies, on 4 ranks with `--enable-recovery` (by default
+/// mpirun ends the job when a rank dies; told to recover, it lets the others run, and they
+/// report what they saw); the output, once ranks 0, 1 and 3 each named rank 2.
+fn survivors_name_rank_2(scratch: &Scratch, scenario: &str) -> Result<String, String> {
     let mut cmd = Command::new(mpirun_program());
-    environment(&mut cmd, &scratch);
-    // By default mpirun ends the job when a rank dies; told to recover, it lets the others
-    // run, and they report what they saw.
-    cmd.args(mpirun_args(&scratch)).args([
+    environment(&mut cmd, scratch);
+    cmd.args(mpirun_args(scratch)).args([
         "--oversubscribe",
         "--enable-recovery",
         "-np",
         "4",
         &exe(),
         "--scenario",
-        "dies",
+        scenario,
     ]);
-    let out = match run(cmd) {
-        Ok((_, out)) => out,
-        Err(e) => return Outcome::Failed(e),
-    };
+    let (_, out) = run(cmd)?;
     for r in [0, 1, 3] {
         let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
-            return Outcome::Failed(format!("rank {r} did not report\n{out}"));
+            return Err(format!("rank {r} did not report\n{out}"));
         };
         if !line.contains("rank 2 (pid") {
-            return Outcome::Failed(format!("rank {r} did not name rank 2: {line}\n{out}"));
+            return Err(format!("rank {r} did not name rank 2: {line}\n{out}"));
         }
     }
     if out.contains("rank 2: ok") {
-        return Outcome::Failed(format!("rank 2 was to die\n{out}"));
+        return Err(format!("rank 2 was to die\n{out}"));
     }
+    Ok(out)
+}
+
+pub fn a_rank_that_dies_is_named_by_the_others() -> Outcome {
+    let scratch = Scratch::new("dies");
+    let out = match survivors_name_rank_2(&scratch, "dies") {
+        Ok(out) => out,
+        Err(e) => return Outcome::Failed(e),
+    };
     // Without that, mpirun itself ends the job at the first rank it sees end badly. That is
     // rank 2, or a survivor that noticed first: tensorshare sees the death within about
     // 50 ms, a survivor then exits with its error, and mpirun may reap that exit before it
@@ -201,29 +207,10 @@ pub fn a_rank_that_dies_is_named_by_the_others() -> Outcome {
 /// job ends: the others still see rank 2's death (through its pidfd) and name it.
 pub fn a_rank_that_dies_leaving_a_fork_is_named_by_the_others() -> Outcome {
     let scratch = Scratch::new("dies-fork");
-    let mut cmd = Command::new(mpirun_program());
-    environment(&mut cmd, &scratch);
-    cmd.args(mpirun_args(&scratch)).args([
-        "--oversubscribe",
-        "--enable-recovery",
-        "-np",
-        "4",
-        &exe(),
-        "--scenario",
-        "dies_leaving_a_fork",
-    ]);
-    let out = match run(cmd) {
-        Ok((_, out)) => out,
+    let out = match survivors_name_rank_2(&scratch, "dies_leaving_a_fork") {
+        Ok(out) => out,
         Err(e) => return Outcome::Failed(e),
     };
-    for r in [0, 1, 3] {
-        let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
-            return Outcome::Failed(format!("rank {r} did not report\n{out}"));
-        };
-        if !line.contains("rank 2 (pid") {
-            return Outcome::Failed(format!("rank {r} did not name rank 2: {line}\n{out}"));
-        }
-    }
     let left = scratch.leftovers(&[]);
     if !left.is_empty() {
         return Outcome::Failed(format!("the run left {left:?} behind\n{out}"));
