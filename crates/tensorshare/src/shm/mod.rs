@@ -25,7 +25,7 @@ pub use tools::{gc, list, SegmentInfo};
 
 /// See [`crate::segments::guard_sigbus`].
 pub(crate) fn guard_sigbus() -> Result<()> {
-    fault::install(true).map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))
+    fault::install(true)
 }
 
 use crate::{Error, Result, SharingStrategy};

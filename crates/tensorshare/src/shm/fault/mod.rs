@@ -194,7 +194,12 @@ fn wanted() -> bool {
 /// library's handler may have saved ours as its previous one and pass SIGBUS on to it, and
 /// putting ours on top of it would make the two pass each signal back and forth.
 /// `over_handler` is for a handler known not to pass it on (see `guard_sigbus`).
-pub(crate) fn install(over_handler: bool) -> std::io::Result<()> {
+pub(crate) fn install(over_handler: bool) -> crate::Result<()> {
+    install_io(over_handler)
+        .map_err(|e| crate::Error::io("installing the SIGBUS handler for named segments", e))
+}
+
+fn install_io(over_handler: bool) -> std::io::Result<()> {
     if !over_handler && !wanted() {
         return Ok(());
     }

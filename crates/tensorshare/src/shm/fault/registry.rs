@@ -47,7 +47,7 @@ pub(crate) struct Guard {
 ///
 /// The caller keeps `fd` open and the range mapped until the returned guard is dropped.
 pub(crate) fn register(start: *const u8, len: usize, fd: BorrowedFd<'_>) -> Result<Guard> {
-    super::install(false).map_err(|e| Error::io("installing the SIGBUS handler for named segments", e))?;
+    super::install(false)?;
     // Set here, not when the handler is installed: segments are registered even where it is
     // not (see `SIGBUS_HANDLER_ENV`), so that `guard_sigbus` covers them later.
     let page = rustix::param::page_size();
@@ -211,6 +211,8 @@ pub(super) fn recover(addr: usize) -> bool {
     done
 }
 
+/// The pid, by a system call: `util::fork::pid` may register its fork handler on first use,
+/// which is no work for a signal handler.
 fn pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
