@@ -166,3 +166,31 @@ pub fn all_gather(tensor: &Tensor) -> Result<Vec<Tensor>> {
 pub fn barrier() -> Result<()> {
     state::collective("barrier", |st| collective::agree(st, verdict::Kind::Barrier, None, None, "barrier"))
 }
+
+/// What crosses between nodes, raw, for tests of a hostile rank on another node (feature
+/// `test-support`; not part of the API).
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod raw {
+    use mpi::point_to_point::Destination;
+    use mpi::topology::Communicator;
+
+    use crate::Result;
+
+    /// Sends each of `pieces` to `dst` as one MPI message on the communicator that carries
+    /// `send` between nodes: a head and pieces that may lie about each other.
+    pub fn send_pieces(dst: usize, pieces: &[&[u8]]) -> Result<()> {
+        super::state::point_to_point("raw send", |st| {
+            let to = st.world.process_at_rank(i32::try_from(dst).unwrap_or(i32::MAX));
+            for piece in pieces {
+                to.send(*piece);
+            }
+            Ok(())
+        })
+    }
+
+    /// Receives a message from `src` as a rank on another node would: the bytes of a value.
+    pub fn recv_bytes(src: usize) -> Result<Vec<u8>> {
+        super::state::point_to_point("raw recv", |st| super::net::recv_bytes(&st.world, src))
+    }
+}

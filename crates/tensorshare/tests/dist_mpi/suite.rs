@@ -286,6 +286,44 @@ fn threads(rank: usize) -> Check<usize> {
     Ok(2)
 }
 
+/// What a rank on another node receives from a hostile one: heads that lie about the bytes
+/// that follow. Rank 1 sends them raw on the communicator `send` uses between nodes, rank 0
+/// receives as a rank of another node would. Each is an `InvalidMessage` that names the lie,
+/// nothing is reserved for a length only claimed (a 1 TiB claim fails at its first piece,
+/// not as an allocation), and nothing of a refused message is left on the wire: a genuine
+/// message right after each one arrives whole.
+fn lying_heads(rank: usize) -> Check<usize> {
+    use tensorshare::dist::raw;
+    const INLINE: u64 = 64 * 1024;
+    let head = |n: u64| n.to_le_bytes().to_vec();
+    let inline = |n: u64, bytes: &[u8]| [&n.to_le_bytes()[..], bytes].concat();
+    let genuine: Vec<u8> = (0..INLINE + 17).map(|i| (i % 251) as u8).collect();
+    let lies: Vec<(Vec<Vec<u8>>, &str)> = vec![
+        (vec![vec![1, 2, 3]], "a head of 3 bytes"),
+        (vec![inline(10, b"abcde")], "5 bytes, announced as 10"),
+        (vec![inline(INLINE + 1, b"x")], "bytes in the head of a large message"),
+        (vec![head(1 << 40), vec![0; 100]], "a piece of 100 bytes where 1073741824 were due"),
+        (vec![head(INLINE + 17), vec![0; 10]], "a piece of 10 bytes where 65553 were due"),
+    ];
+    if rank == 1 {
+        for (pieces, _) in &lies {
+            let pieces: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+            raw::send_pieces(0, &pieces).ctx("a lying head")?;
+            raw::send_pieces(0, &[&head(genuine.len() as u64), &genuine]).ctx("a genuine message")?;
+        }
+    } else if rank == 0 {
+        for (_, says) in &lies {
+            match raw::recv_bytes(1) {
+                Err(Error::InvalidMessage(m)) => ensure!(m.contains(says), "{m:?} does not say {says:?}"),
+                other => return Err(format!("a head that lies ({says}) gave {other:?}")),
+            }
+            let got = raw::recv_bytes(1).ctx("the genuine message after a lie")?;
+            ensure!(got == genuine, "the genuine message came as {} other bytes", got.len());
+        }
+    }
+    Ok(lies.len())
+}
+
 pub fn node() -> Check<String> {
     not_initialized(dist::rank().unwrap_err(), "call tensorshare::dist::init() first")?;
     let session = dist::init().ctx("init")?;
@@ -294,7 +332,11 @@ pub fn node() -> Check<String> {
     ensure!(size == 4 && topo.nodes().len() == 1 && topo.nodes()[0].ranks() == [0, 1, 2, 3], "{topo:?}");
     ensure!(topo.local_rank() == rank && topo.node_of(3) == Some(0) && topo.node_of(4).is_none(), "{topo:?}");
     ensure!(!topo.nodes()[0].name().is_empty(), "a node has a name");
-    let checks = threads(rank)? + point_to_point(size, rank)? + collectives(size, rank)? + workers(size)?;
+    let checks = threads(rank)?
+        + point_to_point(size, rank)?
+        + lying_heads(rank)?
+        + collectives(size, rank)?
+        + workers(size)?;
     drop(session);
     not_initialized(dist::rank().unwrap_err(), "session ended")?;
     Ok(format!("{checks} checks on one node"))
