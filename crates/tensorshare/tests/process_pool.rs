@@ -342,3 +342,38 @@ fn initializer_with_args(method: StartMethod) {
     tags.sort();
     assert_eq!(tags, ["seen7/0", "seen7/1"], "{method}: the replacement ran the initializer");
 }
+
+#[test]
+fn a_worker_killed_while_idle_is_replaced_before_it_is_given_work() {
+    for method in [StartMethod::Spawn, StartMethod::Fork, StartMethod::ForkServer] {
+        common::isolated(|_rank, method: StartMethod| killed_while_idle(method), method);
+    }
+}
+
+/// Kills `pid` and waits, through a pidfd, until it is dead.
+fn kill_and_wait(pid: i32) {
+    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+    let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap();
+    rustix::process::pidfd_send_signal(&fd, rustix::process::Signal::KILL).unwrap();
+    let mut poll = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut poll, None).unwrap();
+}
+
+fn killed_while_idle(method: StartMethod) {
+    common::allow_fork_in_helper();
+    let mut p = Pool::with_method(2, method).unwrap();
+    assert_eq!(p.map(|x: u32| x * 2, 0..4u32).unwrap(), vec![0, 2, 4, 6], "{method}");
+    // Both workers are idle now; one dies (the OOM killer, an operator) between tasks.
+    let before = p.pids();
+    kill_and_wait(before[0]);
+    // Nothing was running on it, so nothing fails: every later task runs, on the survivor
+    // and on the dead worker's replacement.
+    assert_eq!(p.map(|x: u32| x + 1, 0..8u32).unwrap(), (1..9).collect::<Vec<u32>>(), "{method}");
+    let after = p.pids();
+    assert_eq!(after.len(), 2, "{method}");
+    assert!(!after.contains(&before[0]) && after.contains(&before[1]), "{method}: {before:?} -> {after:?}");
+    // apply_async too, after the other one dies the same way.
+    kill_and_wait(after[1]);
+    assert_eq!(p.apply_async(|x: u32| x * 3, 5u32).unwrap().get().unwrap(), 15, "{method}");
+    assert!(!p.pids().contains(&after[1]), "{method}");
+}

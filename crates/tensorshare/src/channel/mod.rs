@@ -14,6 +14,7 @@ pub(crate) mod socket;
 
 pub use err::SendError;
 pub use fd::SharedFd;
+pub(crate) use frame::Outgoing;
 pub use frame::MAX_MESSAGE_ENV;
 pub use pipe::{pipe, Connection};
 pub use queue::{Queue, SimpleQueue};

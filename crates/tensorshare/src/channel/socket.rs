@@ -100,6 +100,17 @@ pub(crate) fn send_outgoing(
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
 ) -> Result<()> {
+    send_framed(fd, &mut out, deadline, alive)
+}
+
+/// [`send_outgoing`] that leaves the message with the caller, sent or not: one that could
+/// not be sent (`Disconnected`) can go to another socket.
+pub(crate) fn send_framed(
+    fd: BorrowedFd<'_>,
+    out: &mut Outgoing,
+    deadline: Deadline,
+    alive: &dyn Fn() -> bool,
+) -> Result<()> {
     loop {
         match send_record(fd, out.parts(), &out.fds()) {
             Ok(()) => return Ok(()),

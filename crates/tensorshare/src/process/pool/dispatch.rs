@@ -15,6 +15,7 @@ use super::builder::Initializer;
 use super::task::{pool_worker, ItemOutcome};
 use crate::channel::pipe;
 use crate::channel::socket::{self, Deadline, Record};
+use crate::channel::Outgoing;
 use crate::process::context::{reap, ProcessContext};
 use crate::process::job::JobName;
 use crate::process::{start_processes, StartMethod};
@@ -152,36 +153,87 @@ impl Inner {
         Ok(Worker { ctx, sock, task: None })
     }
 
-    pub(super) fn idle(&self) -> Option<usize> {
-        self.workers.iter().position(|w| w.task.is_none())
+    /// A worker with nothing to run, after replacing those that died while idle (killed
+    /// between tasks: their sockets are not watched then, so this is where that shows).
+    pub(super) fn idle(&mut self) -> Result<Option<usize>> {
+        let idle: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].task.is_none()).collect();
+        let mut fds: Vec<PollFd<'_>> = idle
+            .iter()
+            .map(|&i| PollFd::new(&self.workers[i].ctx.children[0].pidfd, PollFlags::IN))
+            .collect();
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        match rustix::event::poll(&mut fds, Some(&zero)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::io("poll on pool workers", e)),
+        }
+        let dead: Vec<usize> =
+            idle.iter().zip(&fds).filter(|(_, fd)| !fd.revents().is_empty()).map(|(&i, _)| i).collect();
+        drop(fds);
+        for i in dead {
+            self.replace(i)?;
+        }
+        Ok(idle.first().copied())
     }
 
-    /// Sends a chunk of `count` items, starting at `first`, to worker `wi`.
+    /// Sends a chunk of `count` items, starting at `first`, to an idle worker. Returns
+    /// false, having sent nothing, when no worker is idle. A worker that turns out to be
+    /// dead (it died since `idle` looked) never got the chunk: it is replaced, and the chunk
+    /// goes to the next idle worker.
     pub(super) fn send(
         &mut self,
-        wi: usize,
         batch: u64,
         first: usize,
         count: usize,
         name: &JobName,
         payload: Result<Encoded>,
-    ) -> Result<()> {
-        let w = &mut self.workers[wi];
-        socket::send(w.sock.as_fd(), wire::encode(&(name, count))?, Deadline::after(None), &|| true)?;
-        socket::send(w.sock.as_fd(), payload?, Deadline::after(None), &|| true)?;
-        w.task = Some(InFlight { batch, first, count, done: 0 });
-        Ok(())
+    ) -> Result<bool> {
+        if self.idle()?.is_none() {
+            return Ok(false);
+        }
+        let head = wire::encode(&(name, count))?;
+        let mut body = Outgoing::new(payload?)?;
+        // Each worker at most once, and its replacement: a worker that dies as soon as it
+        // starts (a failing initializer) does not keep this call going.
+        for _ in 0..=self.workers.len() {
+            let Some(wi) = self.idle()? else { break };
+            let w = &mut self.workers[wi];
+            let mut head = Outgoing::new(Encoded { bytes: head.bytes.clone(), fds: Vec::new() })?;
+            let sent = socket::send_framed(w.sock.as_fd(), &mut head, Deadline::after(None), &|| true)
+                .and_then(|()| {
+                    socket::send_framed(w.sock.as_fd(), &mut body, Deadline::after(None), &|| true)
+                });
+            match sent {
+                Ok(()) => {
+                    w.task = Some(InFlight { batch, first, count, done: 0 });
+                    return Ok(true);
+                }
+                Err(Error::Disconnected) => self.replace(wi)?,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(Error::Disconnected)
     }
 
     /// Gives idle workers the queued `apply_async` tasks.
     pub(super) fn dispatch_queued(&mut self) {
-        while let (Some(wi), false) = (self.idle(), self.queued.is_empty()) {
+        while !self.queued.is_empty() {
+            if !matches!(self.idle(), Ok(Some(_))) {
+                break;
+            }
             let Some(q) = self.queued.pop_front() else { break };
-            if let Err(e) = self.send(wi, q.batch, 0, 1, &q.name, Ok(q.payload)) {
-                let (rank, pid) = (self.workers[wi].rank(), self.workers[wi].pid());
-                self.file(q.batch, Filed { index: 0, rank, pid, outcome: Err(name_task(e, 0)) });
+            match self.send(q.batch, 0, 1, &q.name, Ok(q.payload)) {
+                Ok(true) => {}
+                // Cannot happen: a worker was idle just above, and nothing took it since.
+                Ok(false) => self.fail(q.batch, 0, Error::Disconnected),
+                Err(e) => self.fail(q.batch, 0, e),
             }
         }
+    }
+
+    /// Files the error of an item that never reached a worker.
+    pub(super) fn fail(&mut self, batch: u64, index: usize, e: Error) {
+        // No worker ran it: rank and pid are only read for errors a worker raised.
+        self.file(batch, Filed { index, rank: 0, pid: 0, outcome: Err(name_task(e, index)) });
     }
 
     pub(super) fn enqueue(&mut self, batch: u64, name: JobName, payload: Encoded) {

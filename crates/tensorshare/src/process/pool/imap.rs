@@ -97,7 +97,7 @@ where
             return Ok(());
         }
         inner.dispatch_queued();
-        while let (false, Some(wi)) = (self.exhausted, inner.idle()) {
+        while !self.exhausted && inner.idle()?.is_some() {
             let chunk: Vec<T> = self.items.by_ref().take(self.chunksize).collect();
             if chunk.is_empty() {
                 self.exhausted = true;
@@ -106,7 +106,16 @@ where
             let (first, count) = (self.next_index, chunk.len());
             self.next_index += count;
             let sent = match &self.entry {
-                Ok(name) => inner.send(wi, self.batch, first, count, name, wire::encode(&chunk)),
+                // Not false: a worker is idle (just above), and nothing took it since.
+                Ok(name) => {
+                    inner.send(self.batch, first, count, name, wire::encode(&chunk)).and_then(|sent| {
+                        if sent {
+                            Ok(())
+                        } else {
+                            Err(Error::Disconnected)
+                        }
+                    })
+                }
                 Err(e) => Err(Error::Unsupported(e.clone())),
             };
             match sent {
