@@ -196,6 +196,13 @@ fn killed_server_is_replaced(_rank: usize, _: ()) {
             .map_or(true, |fd| ended_within(&fd, Duration::ZERO));
         assert!(gone, "worker {pid} outlived its fork server");
     }
+    // And the dead server, a child of this process, is reaped already: no zombie is left
+    // waiting for a next request that may never come.
+    let wait = rustix::process::waitid(
+        WaitId::PidFd(server_fd.as_fd()),
+        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
+    );
+    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
     // The next request finds the server gone, reaps it and starts another.
     let mut next = start_processes(report_ids, q.clone(), 1, FS).unwrap();
     assert_eq!(next.join(None), Ok(true));

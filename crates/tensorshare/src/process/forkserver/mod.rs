@@ -66,6 +66,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 struct Server {
     sock: OwnedFd,
     pid: Pid,
+    /// Names the server for good (opened while it is an unreaped child): to see it die.
+    pidfd: Option<OwnedFd>,
     /// The process that started it: the only one it serves.
     owner: Pid,
     /// The number of the next request.
@@ -126,7 +128,8 @@ pub(crate) fn start_worker(job: OwnedFd) -> Result<Forked> {
             let (ours, theirs) = socket::pair()?;
             let invitation = Invitation::send(ours.as_fd(), &[])?;
             let pid = exec_worker(FORKSERVER_ENV, theirs, &invitation)?;
-            *server = Some(Server { sock: ours, pid, owner: me, next: 0 });
+            let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok();
+            *server = Some(Server { sock: ours, pid, pidfd, owner: me, next: 0 });
         }
         let s = server.as_mut().expect("started above");
         match request(s, &job) {
@@ -206,10 +209,39 @@ pub(crate) fn ending(
                     socket::wait(pidfd.as_fd(), PollFlags::IN, Duration::from_secs(3600)),
                     Ok(true) | Err(_)
                 ) {}
+                reap_dead_server();
                 return Some(Err("the fork server, which reaps this worker, died before it told how the \
                                  worker ended; the worker died with it"
                     .into()));
             }
         }
+    }
+}
+
+/// The server hung up a worker's status socket without a report: it is dead, or dying. It
+/// is this process's child, so it is reaped here (no zombie is left waiting for the next
+/// request, which may never come) and forgotten (the next request starts another). Its
+/// death is awaited on its pidfd, for at most `SERVER_EXIT`: the hang-up comes as the kernel
+/// closes its descriptors, a moment before it can be reaped.
+fn reap_dead_server() {
+    const SERVER_EXIT: Duration = Duration::from_secs(5);
+    let me = rustix::process::getpid();
+    let (pid, pidfd) = {
+        let server = crate::util::lock(&SERVER);
+        match server.as_ref() {
+            Some(s) if s.owner == me => (s.pid, s.pidfd.as_ref().and_then(|f| f.try_clone().ok())),
+            _ => return,
+        }
+    };
+    let Some(pidfd) = pidfd else { return };
+    if !matches!(socket::wait(pidfd.as_fd(), PollFlags::IN, SERVER_EXIT), Ok(true)) {
+        return; // alive after all: the next request that finds it gone reaps it
+    }
+    let mut server = crate::util::lock(&SERVER);
+    // Still the same server, if its pid is: the pid of an unreaped child is never reused,
+    // and it is reaped only where it is also taken out of `SERVER`.
+    if server.as_ref().is_some_and(|s| s.owner == me && s.pid == pid) {
+        server.take();
+        let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG);
     }
 }
