@@ -273,3 +273,32 @@ fn a_count_left_too_high_heals_when_the_queue_is_seen_empty() {
     q.put(3).unwrap();
     assert_eq!(q.len(), 1);
 }
+
+/// A put that holds the only place of a bounded queue while it writes a large message out
+/// (a spill into a memfd takes a while) must not look like a place lost to a dead process:
+/// a second producer keeps waiting instead of being let in over the capacity.
+#[test]
+fn a_put_writing_a_large_message_holds_its_place_without_losing_it() {
+    // Large enough that its spill takes well over the two 50 ms slices after which a
+    // waiting producer gives back places it thinks lost.
+    const BIG: usize = 256 << 20;
+    let q: Queue<String> = Queue::with_capacity(1).unwrap();
+    let consumer = q.clone(); // someone who could make room, so waiting is a timeout
+    let mut ctx = spawn(
+        |_rank, q: Queue<String>| {
+            q.put("b".repeat(BIG)).unwrap();
+        },
+        q.clone(),
+        1,
+    )
+    .unwrap();
+    // The worker's put has its place once the queue reads full.
+    while !q.is_full() {
+        std::hint::spin_loop();
+    }
+    let second = q.put_timeout("small".to_string(), Duration::from_secs(1));
+    assert!(second.as_ref().is_err_and(|e| e.is_timeout()), "a second value was let in: {second:?}");
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(consumer.get().unwrap().len(), BIG);
+    assert_eq!(consumer.try_get().unwrap(), None, "the queue of capacity 1 held a second value");
+}

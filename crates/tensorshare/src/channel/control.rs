@@ -148,6 +148,12 @@ impl Control {
     /// between taking a record and giving its place back cannot lose that place for good.
     /// `empty` says whether the queue's socket holds no record; it must have said so at the
     /// start of the wait that found no place as well (the caller waited a whole slice).
+    ///
+    /// A live process holds a place without a record in the socket only for the few
+    /// instructions between taking it and writing its record (the record is framed, and a
+    /// large one spilled, before the place is taken), or between taking a record and giving
+    /// its place back; one stopped there for two whole slices (a debugger, SIGSTOP) is taken
+    /// for dead, and the queue then admits up to its capacity more.
     pub(crate) fn restore_places(&self, empty: bool) {
         let b = self.counters();
         let cap = b.capacity.load(Ordering::Relaxed);

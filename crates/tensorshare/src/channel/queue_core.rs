@@ -111,7 +111,10 @@ impl Core {
     }
 
     fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
-        let msg = wire::encode(value)?;
+        // Framed before a place is taken: a large message is written into a memfd here,
+        // which takes a while, and a place held that long with nothing in the socket would
+        // look lost to a producer waiting for one (see `restore_places`).
+        let out = Outgoing::new(wire::encode(value)?)?;
         // A free place (an unbounded queue always has one): no syscall.
         let mut placed = self.control.try_acquire();
         // Whether the queue was empty when the current wait began; asked only once a wait
@@ -140,9 +143,7 @@ impl Core {
             let (core, control) = (Arc::downgrade(self), self.control.clone());
             Arc::new(move || core.strong_count() > 0 || control.others_alive())
         };
-        Outgoing::new(msg)
-            .and_then(|out| self.outbox.put(&self.tx, out, alive))
-            .inspect_err(|_| self.control.release())
+        self.outbox.put(&self.tx, out, alive).inspect_err(|_| self.control.release())
     }
 
     /// About how many values wait: see `Queue::len`.
