@@ -203,7 +203,7 @@ fn killed_server_is_replaced(_rank: usize, _: ()) {
         WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
     );
     assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
-    // The next request finds the server gone, reaps it and starts another.
+    // The next request starts another server.
     let mut next = start_processes(report_ids, q.clone(), 1, FS).unwrap();
     assert_eq!(next.join(None), Ok(true));
     let (_, new_server) = q.get_timeout(PATIENCE).unwrap();
@@ -276,4 +276,34 @@ fn forkserver_worker_from_a_fork_worker(_rank: usize, _: ()) {
 #[test]
 fn a_fork_worker_starts_its_own_fork_server() {
     common::isolated_with(forkserver_worker_from_a_fork_worker, ());
+}
+
+fn pool_after_its_server_is_killed(_rank: usize, _: ()) {
+    let mut pool = Pool::with_method(3, FS).unwrap();
+    assert_eq!(pool.map(|x: u32| x + 1, 0..6u32).unwrap(), (1..7).collect::<Vec<u32>>());
+    let server = parent_of(pool.pids()[0]);
+    let server_fd = pidfd(server);
+    rustix::process::pidfd_send_signal(&server_fd, Signal::KILL).unwrap();
+    let workers: Vec<_> = pool.pids().into_iter().map(pidfd).collect();
+    for w in &workers {
+        assert!(ended_within(w, PATIENCE), "a pool worker outlived its fork server");
+    }
+    // All three idle workers died with the server: each is replaced (the first replacement
+    // reaps the old server and starts a new one, which the later ones use), and the pool
+    // serves on with three live workers of the new server.
+    assert_eq!(pool.map(|x: u32| x * 2, 0..9u32).unwrap(), (0..9).map(|x| x * 2).collect::<Vec<u32>>());
+    let pids = pool.pids();
+    assert_eq!(pids.len(), 3);
+    let servers: Vec<i32> = pids.iter().map(|&p| parent_of(p)).collect();
+    assert!(servers.iter().all(|&s| s == servers[0] && s != server), "{servers:?}, old server {server}");
+    let wait = rustix::process::waitid(
+        WaitId::PidFd(server_fd.as_fd()),
+        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
+    );
+    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
+}
+
+#[test]
+fn a_pool_whose_fork_server_is_killed_replaces_its_workers_and_serves_on() {
+    common::isolated_with(pool_after_its_server_is_killed, ());
 }

@@ -36,8 +36,9 @@ pub(crate) struct Child {
 pub(crate) enum Parent {
     /// This process: `waitid` on the pidfd.
     This,
-    /// The fork server, which sends the status on `status` once it has reaped the worker.
-    ForkServer { status: OwnedFd },
+    /// The fork server (`server`, its pid), which sends the status on `status` once it has
+    /// reaped the worker.
+    ForkServer { status: OwnedFd, server: rustix::process::Pid },
 }
 
 impl Parent {
@@ -45,7 +46,7 @@ impl Parent {
     fn ready<'a>(&'a self, pidfd: &'a OwnedFd) -> &'a OwnedFd {
         match self {
             Parent::This => pidfd,
-            Parent::ForkServer { status } => status,
+            Parent::ForkServer { status, .. } => status,
         }
     }
 }
@@ -220,10 +221,12 @@ pub(crate) fn reap(c: &mut Child, block: bool) {
                 Err(e) => Err(format!("waitid failed: {e}")),
             }
         }
-        Parent::ForkServer { status } => match super::forkserver::ending(status, &c.pidfd, c.pid, block) {
-            Some(ending) => ending,
-            None => return, // still running
-        },
+        Parent::ForkServer { status, server } => {
+            match super::forkserver::ending(status, &c.pidfd, c.pid, *server, block) {
+                Some(ending) => ending,
+                None => return, // still running
+            }
+        }
     };
     let ending = match ending {
         Ok(ending) => ending,

@@ -152,7 +152,7 @@ fn start(job: OwnedFd, launch: Launch) -> Result<(rustix::process::Pid, OwnedFd,
         Launch::ForkServer => {
             // The server's child: the server opened its pidfd, and reaps it.
             let w = forkserver::start_worker(job)?;
-            return Ok((w.pid, w.pidfd, Parent::ForkServer { status: w.status }));
+            return Ok((w.pid, w.pidfd, Parent::ForkServer { status: w.status, server: w.server }));
         }
     }?;
     // Our own child, not reaped yet: its pid cannot name another process.

@@ -84,6 +84,8 @@ pub(crate) struct Forked {
     pub(crate) pidfd: OwnedFd,
     /// Where the server sends how the worker ended, once it has reaped it.
     pub(crate) status: OwnedFd,
+    /// The server that forked it.
+    pub(crate) server: Pid,
 }
 
 /// A request for a worker that reads its job from `job`.
@@ -174,6 +176,7 @@ fn request(s: &mut Server, job: &OwnedFd) -> Result<Forked> {
     };
     let owned = |fd: SharedFd| fd.into_owned().map_err(|_| Error::invalid("a shared descriptor"));
     Ok(Forked {
+        server: s.pid,
         pid: Pid::from_raw(started.pid).ok_or_else(|| Error::invalid("the fork server sent pid 0"))?,
         pidfd: owned(started.pidfd)?,
         status: owned(started.status)?,
@@ -183,11 +186,13 @@ fn request(s: &mut Server, job: &OwnedFd) -> Result<Forked> {
 /// How a worker of the fork server ended, as the server reports it on `status`: `None`
 /// while it runs (and `block` is false). A server that died without a word took the worker
 /// along (see the module docs): this waits for that death on `pidfd`, so that no worker is
-/// reported ended while it still runs.
+/// reported ended while it still runs, and reaps the dead server (`server`, the one that
+/// forked the worker) if no other call has.
 pub(crate) fn ending(
     status: &OwnedFd,
     pidfd: &OwnedFd,
     pid: Pid,
+    server: Pid,
     block: bool,
 ) -> Option<std::result::Result<Ending, String>> {
     loop {
@@ -209,7 +214,7 @@ pub(crate) fn ending(
                     socket::wait(pidfd.as_fd(), PollFlags::IN, Duration::from_secs(3600)),
                     Ok(true) | Err(_)
                 ) {}
-                reap_dead_server();
+                reap_dead_server(server);
                 return Some(Err("the fork server, which reaps this worker, died before it told how the \
                                  worker ended; the worker died with it"
                     .into()));
@@ -218,18 +223,21 @@ pub(crate) fn ending(
     }
 }
 
-/// The server hung up a worker's status socket without a report: it is dead, or dying. It
-/// is this process's child, so it is reaped here (no zombie is left waiting for the next
-/// request, which may never come) and forgotten (the next request starts another). Its
-/// death is awaited on its pidfd, for at most `SERVER_EXIT`: the hang-up comes as the kernel
-/// closes its descriptors, a moment before it can be reaped.
-fn reap_dead_server() {
+/// The server `pid` hung up a worker's status socket without a report: it is dead, or
+/// dying. It is this process's child, so it is reaped here and forgotten (the next request
+/// starts another) rather than left a zombie until a next request, which may never come.
+/// Only if it is still this process's server: one that an earlier call reaped and replaced
+/// is done with, and the new one is not waited for. Its death is awaited on its pidfd, for
+/// at most `SERVER_EXIT`: the hang-up comes as the kernel closes its descriptors, a moment
+/// before it can be reaped. (A server that dies while it has no worker is reaped by the
+/// next request, as before: nothing else notices.)
+fn reap_dead_server(pid: Pid) {
     const SERVER_EXIT: Duration = Duration::from_secs(5);
     let me = rustix::process::getpid();
-    let (pid, pidfd) = {
+    let pidfd = {
         let server = crate::util::lock(&SERVER);
         match server.as_ref() {
-            Some(s) if s.owner == me => (s.pid, s.pidfd.as_ref().and_then(|f| f.try_clone().ok())),
+            Some(s) if s.owner == me && s.pid == pid => s.pidfd.as_ref().and_then(|f| f.try_clone().ok()),
             _ => return,
         }
     };
