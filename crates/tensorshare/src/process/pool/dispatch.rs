@@ -178,7 +178,7 @@ impl Inner {
     /// Sends a chunk of `count` items, starting at `first`, to an idle worker. Returns
     /// false, having sent nothing, when no worker is idle. A worker that turns out to be
     /// dead (it died since `idle` looked) never got the chunk: it is replaced, and the chunk
-    /// goes to the next idle worker.
+    /// goes to an idle worker again (usually that replacement).
     pub(super) fn send(
         &mut self,
         batch: u64,
@@ -192,8 +192,10 @@ impl Inner {
         }
         let head = wire::encode(&(name, count))?;
         let mut body = Outgoing::new(payload?)?;
-        // Each worker at most once, and its replacement: a worker that dies as soon as it
-        // starts (a failing initializer) does not keep this call going.
+        // A bounded number of tries (one more than there are workers): workers that die as
+        // soon as they start (a failing initializer) do not keep this call going. Then the
+        // chunk fails with how the last of them died.
+        let mut death = None;
         for _ in 0..=self.workers.len() {
             let Some(wi) = self.idle()? else { break };
             let w = &mut self.workers[wi];
@@ -207,18 +209,27 @@ impl Inner {
                     w.task = Some(InFlight { batch, first, count, done: 0 });
                     return Ok(true);
                 }
-                Err(Error::Disconnected) => self.replace(wi)?,
+                Err(Error::Disconnected) => death = Some(self.replace(wi)?),
                 Err(e) => return Err(e),
             }
         }
-        Err(Error::Disconnected)
+        Err(death.map_or(Error::Disconnected, Error::Process))
     }
 
     /// Gives idle workers the queued `apply_async` tasks.
     pub(super) fn dispatch_queued(&mut self) {
         while !self.queued.is_empty() {
-            if !matches!(self.idle(), Ok(Some(_))) {
-                break;
+            match self.idle() {
+                Ok(Some(_)) => {}
+                Ok(None) => break, // every worker is busy: the next free one takes it
+                Err(e) => {
+                    // No worker to replace a dead one (it could not be started): the task
+                    // fails with why, rather than wait for a worker that will not come.
+                    if let Some(q) = self.queued.pop_front() {
+                        self.fail(q.batch, 0, e);
+                    }
+                    continue;
+                }
             }
             let Some(q) = self.queued.pop_front() else { break };
             match self.send(q.batch, 0, 1, &q.name, Ok(q.payload)) {
@@ -306,11 +317,14 @@ impl Inner {
     }
 
     /// A worker died: the item it ran fails with how it died, the rest of its chunk with
-    /// an error that says so, and a new worker takes its place.
-    pub(super) fn replace(&mut self, i: usize) -> Result<()> {
+    /// an error that says so, and a new worker takes its place. Returns how it died.
+    pub(super) fn replace(&mut self, i: usize) -> Result<ProcessError> {
         let w = &mut self.workers[i];
         let child = &mut w.ctx.children[0];
-        reap(child, true);
+        if child.outcome.is_none() {
+            // (Reaped already if it was replaced before and its replacement could not start.)
+            reap(child, true);
+        }
         let death = child.outcome.clone().flatten().unwrap_or(ProcessError {
             rank: child.rank,
             pid: child.pid.as_raw_nonzero().get(),
@@ -339,7 +353,7 @@ impl Inner {
         }
         let rank = self.workers[i].rank();
         self.workers[i] = self.start(rank)?;
-        Ok(())
+        Ok(death)
     }
 }
 
