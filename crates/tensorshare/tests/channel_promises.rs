@@ -292,8 +292,9 @@ fn a_put_writing_a_large_message_holds_its_place_without_losing_it() {
         1,
     )
     .unwrap();
-    // The worker's put has its place once the queue reads full.
+    // The worker's put has its place once the queue reads full (or the worker failed).
     while !q.is_full() {
+        assert_eq!(ctx.join(Some(Duration::ZERO)), Ok(false), "the worker ended before its put");
         std::hint::spin_loop();
     }
     let second = q.put_timeout("small".to_string(), Duration::from_secs(1));

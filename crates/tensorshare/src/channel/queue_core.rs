@@ -111,10 +111,16 @@ impl Core {
     }
 
     fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
+        let msg = wire::encode(value)?;
+        if deadline.slice().is_none() && self.control.is_full() {
+            // `try_put` on a full queue: no place now, so no framing (a large message would
+            // be written into a memfd only to be dropped).
+            return Err(Error::Timeout);
+        }
         // Framed before a place is taken: a large message is written into a memfd here,
         // which takes a while, and a place held that long with nothing in the socket would
         // look lost to a producer waiting for one (see `restore_places`).
-        let out = Outgoing::new(wire::encode(value)?)?;
+        let out = Outgoing::new(msg)?;
         // A free place (an unbounded queue always has one): no syscall.
         let mut placed = self.control.try_acquire();
         // Whether the queue was empty when the current wait began; asked only once a wait
