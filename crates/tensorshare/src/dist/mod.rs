@@ -181,7 +181,10 @@ pub mod raw {
     /// `send` between nodes: a head and pieces that may lie about each other.
     pub fn send_pieces(dst: usize, pieces: &[&[u8]]) -> Result<()> {
         super::state::point_to_point("raw send", |st| {
-            let to = st.world.process_at_rank(i32::try_from(dst).unwrap_or(i32::MAX));
+            if dst >= st.topo.world_size() {
+                return Err(crate::Error::invalid_argument("destination", format!("rank {dst}")));
+            }
+            let to = st.world.process_at_rank(super::net::mpi_rank(dst)?);
             for piece in pieces {
                 to.send(*piece);
             }

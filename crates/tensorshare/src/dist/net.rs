@@ -19,7 +19,7 @@ const PIECE: usize = 1 << 30;
 const INLINE: usize = 64 * 1024;
 
 /// `rank` as MPI's rank type.
-fn mpi_rank(rank: usize) -> Result<i32> {
+pub(super) fn mpi_rank(rank: usize) -> Result<i32> {
     i32::try_from(rank).map_err(|_| Error::invalid_argument("rank", format!("{rank} is beyond MPI's ranks")))
 }
 
