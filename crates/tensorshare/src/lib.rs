@@ -182,7 +182,8 @@ pub mod raw {
 
     /// Leaves this process's cleanup group and founds a new one with this process as its
     /// root (see `shm::group`), so that a test's named segments can be told apart from
-    /// every other test's. Returns the new root (this process's pid).
+    /// every other test's. Returns the new root (this process's pid, unless a group of that
+    /// number exists already).
     pub fn new_group() -> crate::Result<i32> {
         crate::shm::group::new_group()
     }

@@ -2,9 +2,11 @@
 //! much room is left, and the tools behind `tensorshare shm ls` and `tensorshare shm gc`.
 //!
 //! A named segment is called `tensorshare_<root>_<creator>_<random>` in [`shm_dir`], where
-//! `<root>` is the pid of the process that founded its cleanup group: once every process of
-//! the group is gone, its files are removed by the group's cleaner; [`gc`] removes the files
-//! of groups that have no live process left, should a cleaner not have done it.
+//! `<root>` names its cleanup group: the pid of the process that founded it (or a number
+//! above any pid, when a live group of another pid namespace has that pid): once every
+//! process of the group is gone, its files are removed by the group's cleaner; [`gc`], and
+//! the founding of any later group, remove the files of groups that have no live process
+//! left, should a cleaner not have done it.
 
 //!
 //! Linux cannot seal a named file, so another process can truncate one under its readers.

@@ -236,3 +236,91 @@ fn a_dead_producers_files_go_while_the_group_runs() {
     let (root, cleaner) = in_new_group(dead_producer_body, ());
     assert_cleaned(root, &cleaner);
 }
+
+/// The founder of a group, alone in a process group of its own, shares a tensor and then
+/// kills its whole process group at once (a launcher's `killpg`, a container's end): its
+/// cleaner, started in a session of its own, is not in that group, and removes the files.
+fn killpg_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    rustix::process::setsid().unwrap(); // so that the kill below reaches this process only
+    let root = found_group(&status);
+    let mut t = Tensor::zeros(&[1024], DType::F32);
+    t.share_memory().unwrap();
+    assert!(!files_of(root).is_empty());
+    rustix::process::kill_current_process_group(rustix::process::Signal::KILL).unwrap();
+}
+
+#[test]
+fn killing_the_founders_process_group_at_once_leaves_nothing() {
+    let status: Queue<(i32, i32)> = Queue::new().unwrap();
+    let mut ctx = spawn(killpg_body, ((), status.clone()), 1).unwrap();
+    let (root, cleaner) = status.get().unwrap();
+    // The cleaner may have finished already: then there is nothing to wait for.
+    let cleaner = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(cleaner).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    );
+    let e = ctx.join(None).unwrap_err();
+    assert_eq!(e.failure, tensorshare::Failure::Signaled { signal: 9, name: "SIGKILL".into() });
+    match cleaner {
+        Ok(cleaner) => assert_cleaned(root, &cleaner),
+        Err(_) => assert!(files_of(root).is_empty(), "left behind: {:?}", files_of(root)),
+    }
+}
+
+/// A root no process can have (above the kernel's pid limit), unique to this test run.
+fn unused_root() -> i32 {
+    (1 << 23) + 1000 + (std::process::id() as i32 % 1_000_000)
+}
+
+/// A group whose cleaner never ran (killed with it) is removed by the next group founded
+/// on the same directory: no member of it is left, by the same test as `shm gc`.
+fn founding_body(_rank: usize, (dead, status): (i32, Queue<(i32, i32)>)) {
+    let root = found_group(&status);
+    assert_ne!(root, dead);
+}
+
+#[test]
+fn founding_a_group_removes_what_dead_groups_left() {
+    let dead = unused_root();
+    let dir = segments::shm_dir();
+    let planted =
+        [format!("tensorshare_{dead}_group"), format!("tensorshare_{dead}_{dead}_00000000deadbeef")];
+    // Left a while ago: a founder leaves a dead group's files alone for a minute (to its
+    // cleaner, or to `shm gc`), then removes them.
+    let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for name in &planted {
+        let f = std::fs::File::create(dir.join(name)).unwrap();
+        f.set_modified(long_ago).unwrap();
+    }
+    let (root, cleaner) = in_new_group(founding_body, dead);
+    assert!(files_of(dead).is_empty(), "left behind: {:?}", files_of(dead));
+    assert_cleaned(root, &cleaner);
+}
+
+/// A founder whose pid already names a group it cannot replace (another pid namespace's
+/// live group on a shared /dev/shm, or a name another user planted) founds one under a
+/// root that no pid can be, and works as usual.
+fn blocked_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    let me = std::process::id() as i32;
+    let blocker = segments::shm_dir().join(format!("tensorshare_{me}_group"));
+    std::fs::create_dir(&blocker).unwrap();
+    let root = raw::new_group();
+    // `shm gc` does not say it removed what it could not.
+    let gc = segments::gc(false);
+    std::fs::remove_dir(&blocker).unwrap();
+    let root = root.unwrap();
+    assert!(root >= 1 << 23, "root {root}, pid {me}");
+    assert!(!gc.unwrap().iter().any(|n| n.starts_with(&format!("tensorshare_{me}_"))));
+    status.put((root, raw::cleaner_pid().unwrap())).unwrap();
+    set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    let mut t = Tensor::zeros(&[1024], DType::F32);
+    t.share_memory().unwrap();
+    let names: Vec<String> = files_of(root).into_iter().map(|s| s.name).collect();
+    assert!(names.iter().any(|n| n.starts_with(&format!("tensorshare_{root}_{me}_"))), "{names:?}");
+}
+
+#[test]
+fn a_founder_whose_pid_names_a_group_already_takes_another_root() {
+    let (root, cleaner) = in_new_group(blocked_body, ());
+    assert_cleaned(root, &cleaner);
+}

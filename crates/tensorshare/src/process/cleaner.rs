@@ -19,15 +19,19 @@ use crate::{Error, Result};
 
 /// Set in a cleaner.
 const CLEANER_ENV: &str = "TENSORSHARE_SHM_CLEANER";
+/// The root of the group a cleaner cleans (its founder's pid, unless that was taken: see
+/// `shm::group`). Proven by the lock file in the hello, which must be the file of that name.
+const CLEANER_ROOT_ENV: &str = "TENSORSHARE_SHM_CLEANER_ROOT";
 
-/// Starts the cleaner of this process's group, whose lock file is `lock`.
-fn start_cleaner(lock: BorrowedFd<'_>) -> Result<i32> {
+/// Starts the cleaner of this process's group, of `root`, whose lock file is `lock`.
+fn start_cleaner(lock: BorrowedFd<'_>, root: i32) -> Result<i32> {
     // Started as a worker is, with the group's lock file in its hello as the proof of which
-    // group it cleans: the group of the process that made the socket (no variable names
-    // it). Nothing else passes on the socket: the cleaner outlives its parent.
+    // group it cleans. Nothing else passes on the socket: the cleaner outlives its parent.
+    // It is in a session of its own from the start, before it runs anything, so that a
+    // signal to the founder's process group (a shell's, a launcher's) cannot reach it.
     let (ours, theirs) = crate::channel::socket::pair()?;
     let invitation = Invitation::send(ours.as_fd(), &[lock])?;
-    let pid = exec_helper(CLEANER_ENV, theirs, &invitation, &[])?;
+    let pid = exec_helper(CLEANER_ENV, theirs, &invitation, &[(CLEANER_ROOT_ENV, root.to_string())], true)?;
     Ok(pid.as_raw_nonzero().get())
 }
 
@@ -57,7 +61,9 @@ extern "C" fn cleaner_hook() {
 /// remove the group's files, exit.
 fn run_cleaner(invited: Invited) -> ! {
     drop(invited.sock);
-    let code = match clean_when_dead(invited.parent, invited.fds) {
+    // The founder's pid is the root unless it said otherwise.
+    let root = std::env::var(CLEANER_ROOT_ENV).ok().and_then(|r| r.parse().ok()).unwrap_or(invited.parent);
+    let code = match clean_when_dead(root, invited.fds) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("tensorshare: shared-memory cleaner: {e}");
@@ -70,8 +76,6 @@ fn run_cleaner(invited: Invited) -> ! {
 /// Cleans the group of `root` once its members are gone; `proof` is what the founder
 /// attached to the hello: the group's lock file.
 fn clean_when_dead(root: i32, proof: Vec<OwnedFd>) -> Result<()> {
-    // Not in the group's session: Ctrl-C does not reach it.
-    let _ = rustix::process::setsid();
     // A lock of our own: flock belongs to an open file, and the founder's is shared.
     let lock = group::open_lock(root)?;
     let same_file = |a: &OwnedFd, b: &OwnedFd| match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {

@@ -165,8 +165,10 @@ fn start(job: OwnedFd, launch: Launch) -> Result<(rustix::process::Pid, OwnedFd,
 /// with `fd` at descriptor 3 and `var` naming it.
 pub(crate) fn exec_worker(var: &str, fd: OwnedFd, invitation: &Invitation) -> Result<rustix::process::Pid> {
     match crate::shm::group::for_workers()? {
-        Some(root) => exec_helper(var, fd, invitation, &[(crate::shm::group::GROUP_ENV, root.to_string())]),
-        None => exec_helper(var, fd, invitation, &[]),
+        Some(root) => {
+            exec_helper(var, fd, invitation, &[(crate::shm::group::GROUP_ENV, root.to_string())], false)
+        }
+        None => exec_helper(var, fd, invitation, &[], false),
     }
 }
 
@@ -187,12 +189,14 @@ pub fn set_helper_command(program: impl Into<std::path::PathBuf>, args: Vec<std:
 }
 
 /// Re-executes this binary with `fd` at descriptor 3, `var` naming it and the invitation
-/// whose hello is queued on `fd`'s peer, and `env` set.
+/// whose hello is queued on `fd`'s peer, and `env` set; with `new_session`, in a session
+/// (and process group) of its own from before it runs anything.
 pub(crate) fn exec_helper(
     var: &str,
     fd: OwnedFd,
     invitation: &Invitation,
     env: &[(&str, String)],
+    new_session: bool,
 ) -> Result<rustix::process::Pid> {
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let mut cmd = match HELPER_COMMAND.get() {
@@ -215,10 +219,14 @@ pub(crate) fn exec_helper(
         cmd.env(k, v);
     }
     let raw = fd.as_raw_fd();
-    // SAFETY: the closure runs in the child between fork and exec and only calls dup2 and
-    // fcntl, which are async-signal-safe; `raw` stays open in the parent until spawn returns.
+    // SAFETY: the closure runs in the child between fork and exec and only calls setsid,
+    // dup2 and fcntl, which are async-signal-safe; `raw` stays open in the parent until
+    // spawn returns.
     unsafe {
         cmd.pre_exec(move || {
+            if new_session && libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
             if raw == INHERITED_FD {
                 // dup2 onto itself keeps close-on-exec set: clear it instead.
                 if libc::fcntl(raw, libc::F_SETFD, 0) == -1 {

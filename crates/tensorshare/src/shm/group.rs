@@ -1,18 +1,22 @@
 //! Cleanup groups: no named segment outlives the processes that use it.
 //!
 //! A group is the tree of processes that share named segments: the first process that
-//! starts workers or makes a named segment founds it (its pid is the group's *root*), and
-//! the workers it starts join it. Every member holds a shared `flock` on the group's lock
-//! file `tensorshare_<root>_group`; the kernel drops a member's lock when it dies, by any
-//! means. Every named segment of the group is called `tensorshare_<root>_<creator>_<random>`.
+//! starts workers or makes a named segment founds it (its pid is the group's *root*,
+//! unless that names a group already: see `create_locked`), and the workers it starts
+//! join it. Every member holds a shared `flock` on the group's lock file
+//! `tensorshare_<root>_group`; the kernel drops a member's lock when it dies, by any means.
+//! Every named segment of the group is called `tensorshare_<root>_<creator>_<random>`.
 //!
 //! The founder starts a *cleaner* (`process::cleaner`): this executable again, which does
 //! its work in a constructor that runs before `main` (so it never runs the program itself),
-//! in a session of its own; it is no member and is not killed with the group. It waits for
-//! an exclusive lock on the lock file, which the kernel grants once every member is gone,
-//! and then removes every file of the group (`remove_group`). So after SIGKILL of any or all members, nothing is
-//! left once the last one is gone, with nobody running a command; and while any member
-//! lives, every segment (hence every message in flight) stays readable.
+//! in a session of its own from before it runs (so a signal to the founder's process group
+//! misses it); it is no member and is not killed with the group. It waits for an exclusive
+//! lock on the lock file, which the kernel grants once every member is gone, and then
+//! removes every file of the group (`remove_group`). So after SIGKILL of any or all
+//! members, nothing is left once the last one is gone, with nobody running a command; and
+//! while any member lives, every segment (hence every message in flight) stays readable.
+//! Should the cleaner die all the same (with a whole container or cgroup), the next group
+//! founded on the directory removes what it left.
 //!
 //! The constructor runs in every program that links tensorshare, so the variable that
 //! marks a cleaner proves nothing alone: a process acts as a cleaner only after the
@@ -35,6 +39,8 @@ pub(crate) const GROUP_ENV: &str = "TENSORSHARE_SHM_GROUP";
 
 struct Group {
     root: i32,
+    /// The process that founded it, if this one did (a forked child inherits the record).
+    founder: i32,
     /// Holds this process's shared lock; closing it leaves the group.
     _lock: OwnedFd,
     /// Read by the leak tests only (`raw::cleaner_pid`).
@@ -49,8 +55,8 @@ pub(crate) fn lock_name(root: i32) -> String {
     format!("{NAME_PREFIX}{root}_group")
 }
 
-/// Starts the cleaner of a group whose lock file is given; returns its pid.
-pub(crate) type StartCleaner = fn(BorrowedFd<'_>) -> Result<i32>;
+/// Starts the cleaner of the group of `root`, whose lock file is given; returns its pid.
+pub(crate) type StartCleaner = fn(BorrowedFd<'_>, i32) -> Result<i32>;
 
 /// How a founder starts its cleaner. A cleaner is this executable re-executed and proven
 /// by the same handshake as a worker, which is the process layer's business: that layer
@@ -102,7 +108,7 @@ pub(crate) fn ensure() -> Result<i32> {
         // Join the group this process was started in, if it still exists.
         if let Ok(lock) = open_lock(root) {
             lock_shared(&lock)?;
-            *g = Some(Group { root, _lock: lock, cleaner: None });
+            *g = Some(Group { root, founder: 0, _lock: lock, cleaner: None });
             return Ok(root);
         }
     }
@@ -111,29 +117,83 @@ pub(crate) fn ensure() -> Result<i32> {
 }
 
 fn found() -> Result<Group> {
-    let root = rustix::process::getpid().as_raw_nonzero().get();
-    let lock = create_locked(root)?;
+    let (root, lock) = create_locked()?;
     // The lock first, then the cleaner: it must find a member when it starts waiting.
     let start = START_CLEANER.get().ok_or_else(|| {
         Error::Unsupported(
             "no cleaner can be started for a cleanup group: the process layer did not load".into(),
         )
     })?;
-    let cleaner = start(lock.as_fd())?;
-    Ok(Group { root, _lock: lock, cleaner: Some(cleaner) })
+    let cleaner = start(lock.as_fd(), root)?;
+    // Groups whose cleaner did not get to clean (it was killed, or died with them: a whole
+    // container or cgroup killed at once) are removed by the next group founded on this
+    // directory, by the same test as `shm gc`: no member left.
+    sweep_dead_groups(SWEEP_AFTER);
+    Ok(Group { root, founder: crate::util::fork::pid(), _lock: lock, cleaner: Some(cleaner) })
 }
 
-/// Creates the group's lock file already locked: it is made nameless (O_TMPFILE), locked,
-/// and only then given its name, so `shm gc` can never see it unlocked and take a group
-/// being founded for a dead one.
-fn create_locked(root: i32) -> Result<OwnedFd> {
+/// How long the files of a dead group are left to its cleaner (or to `shm gc`, or whoever
+/// else looks at them just now) before a founder removes them.
+const SWEEP_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the files of this user's groups that have no member left (the test `shm gc`
+/// makes: the lock file missing, or free) and whose files are all older than `min_age`.
+fn sweep_dead_groups(min_age: std::time::Duration) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir(shm_dir()) else { return };
+    let uid = rustix::process::geteuid().as_raw();
+    let now = std::time::SystemTime::now();
+    // Per root: whether every file is old enough.
+    let mut roots: std::collections::HashMap<i32, bool> = std::collections::HashMap::new();
+    for entry in dir.flatten() {
+        let Ok(name) = entry.file_name().into_string() else { continue };
+        let Some(root) = name.strip_prefix(NAME_PREFIX).and_then(|r| r.split('_').next()?.parse().ok())
+        else {
+            continue;
+        };
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.uid() != uid {
+            continue;
+        }
+        let old =
+            meta.modified().ok().and_then(|m| now.duration_since(m).ok()).is_some_and(|age| age >= min_age);
+        *roots.entry(root).or_insert(true) &= old;
+    }
+    for (root, old) in roots {
+        if old && !group_alive(root) {
+            let _ = remove_group(root, false);
+        }
+    }
+}
+
+/// Roots that are not pids (a pid is at most 2^22, the kernel's limit): taken when the
+/// founder's pid names a live group already (a process of another pid namespace sharing
+/// this directory, such as another container with the host's /dev/shm) or a file that
+/// cannot be replaced (one planted by another user of a shared directory).
+const FIRST_NON_PID_ROOT: u32 = 1 << 23;
+
+/// Creates the group's lock file already locked, and returns its root with it: the
+/// founder's pid, or if that name cannot be had, a random root above any pid. The file is
+/// made nameless (O_TMPFILE), locked, and only then given its name, so `shm gc` can never
+/// see it unlocked and take a group being founded for a dead one.
+fn create_locked() -> Result<(i32, OwnedFd)> {
     let dir = shm_dir();
     let fd = rustix::fs::open(dir, OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC, Mode::RUSR | Mode::WUSR)
         .map_err(|e| Error::io(format!("O_TMPFILE in {}", dir.display()), e))?;
     lock_shared(&fd)?;
-    let target = dir.join(lock_name(root));
     let source = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
-    for _ in 0..2 {
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
+    let random_root = || {
+        let mut b = [0u8; 4];
+        crate::util::random_bytes(&mut b);
+        let span = i32::MAX as u32 - FIRST_NON_PID_ROOT;
+        (FIRST_NON_PID_ROOT + u32::from_le_bytes(b) % span) as i32
+    };
+    // The pid twice (a dead group's file in the way is removed first), then random roots.
+    let roots = [pid, pid].into_iter().chain(std::iter::repeat_with(random_root).take(8));
+    let mut last = None;
+    for root in roots {
+        let target = dir.join(lock_name(root));
         match rustix::fs::linkat(
             rustix::fs::CWD,
             source.as_str(),
@@ -141,35 +201,39 @@ fn create_locked(root: i32) -> Result<OwnedFd> {
             &target,
             rustix::fs::AtFlags::SYMLINK_FOLLOW,
         ) {
-            Ok(()) => return Ok(fd),
-            Err(Errno::EXIST) if !group_alive(root) => {
-                // Left by a dead group whose root had this pid: it is ours to replace.
-                let _ = remove_group(root, false);
-            }
+            Ok(()) => return Ok((root, fd)),
             Err(Errno::EXIST) => {
-                return Err(Error::Unsupported(format!(
-                    "a live cleanup group already has root pid {root} (its root died and the pid was reused)"
-                )))
+                if !group_alive(root) {
+                    // Left by a dead group whose root had this number: ours to replace.
+                    let _ = remove_group(root, false);
+                }
+                last = Some(target);
             }
             Err(e) => return Err(Error::io(format!("linking {}", target.display()), e)),
         }
     }
-    Err(Error::io(format!("linking {}", target.display()), std::io::Error::other("the name stays taken")))
+    let last = last.map(|p| p.display().to_string()).unwrap_or_default();
+    Err(Error::io(
+        format!("naming a cleanup group's lock file in {}", dir.display()),
+        std::io::Error::other(format!("every name tried is taken (the last: {last})")),
+    ))
 }
 
-/// Leaves the current group and founds a new one with this process as root (as `setsid`
-/// does for sessions): its workers and segments are then cleaned up with it, whatever the
-/// process that started it does. Returns the new root (this process's pid).
+/// Leaves the current group and founds a new one with this process as founder (as
+/// `setsid` does for sessions): its workers and segments are then cleaned up with it,
+/// whatever the process that started it does. Returns the new root (this process's pid,
+/// unless that names a group already: see `create_locked`).
 #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub(crate) fn new_group() -> Result<i32> {
     let mut g = crate::util::lock(&GROUP);
-    let me = rustix::process::getpid().as_raw_nonzero().get();
-    if g.as_ref().is_some_and(|g| g.root == me) {
-        return Ok(me);
+    if let Some(g) = g.as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid()) {
+        return Ok(g.root);
     }
     *g = None; // closes our lock: we leave the old group
-    *g = Some(found()?);
-    Ok(me)
+    let founded = found()?;
+    let root = founded.root;
+    *g = Some(founded);
+    Ok(root)
 }
 
 /// The pid of the cleaner this process started for its group, if it founded one.
@@ -197,9 +261,9 @@ pub(crate) fn remove_group(root: i32, dry_run: bool) -> Result<Vec<String>> {
     let lock = lock_name(root);
     names.sort_by_key(|n| *n == lock);
     if !dry_run {
-        for n in &names {
-            let _ = rustix::fs::unlink(dir.join(n));
-        }
+        // Only what was removed: a name that stays (a directory, another user's file in a
+        // sticky directory) is not reported as gone.
+        names.retain(|n| rustix::fs::unlink(dir.join(n)).is_ok());
     }
     Ok(names)
 }
