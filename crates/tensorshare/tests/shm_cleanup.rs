@@ -324,3 +324,56 @@ fn a_founder_whose_pid_names_a_group_already_takes_another_root() {
     let (root, cleaner) = in_new_group(blocked_body, ());
     assert_cleaned(root, &cleaner);
 }
+
+/// Run by the test below, in a 64 MiB tmpfs: eight workers in turn each send a 16 MiB
+/// tensor (file_system) and exit, and this process drops each after receiving it. 128 MiB in all, so the
+/// receiver must not keep the dead workers' arenas mapped for speed (their room in the
+/// filesystem would stay taken), or a later worker runs out of shared memory.
+#[test]
+#[ignore = "run in a 64 MiB tmpfs by a_receiver_in_a_64_mib_dev_shm_keeps_no_dead_workers_arenas"]
+fn large_tensors_of_dead_workers_in_a_small_dev_shm() {
+    set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+    for round in 0..8 {
+        let q: Queue<Tensor> = Queue::new().unwrap();
+        let mut ctx = spawn(
+            |_rank, q: Queue<Tensor>| {
+                set_sharing_strategy(SharingStrategy::FileSystem).unwrap(); // a worker's own choice
+                let mut t = Tensor::full(&[4 << 20], 1.0f32); // written: its pages take room
+                t.share_memory().unwrap();
+                q.put(t).unwrap();
+            },
+            q.clone(),
+            1,
+        )
+        .unwrap();
+        let t = q.get().unwrap();
+        assert_eq!(t.shape(), [4 << 20]);
+        drop(t);
+        if let Err(e) = ctx.join(None) {
+            panic!("round {round}: {e:#}");
+        }
+    }
+}
+
+#[test]
+fn a_receiver_in_a_64_mib_dev_shm_keeps_no_dead_workers_arenas() {
+    let dir = std::env::temp_dir().join(format!("tensorshare-shm64-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mount = format!("mount -t tmpfs -o size=64m tensorshare-test {}", dir.display());
+    let probe = std::process::Command::new("unshare").args(["-m", "sh", "-c", &mount]).output();
+    if !probe.as_ref().is_ok_and(|p| p.status.success()) {
+        std::fs::remove_dir(&dir).unwrap();
+        eprintln!("skipped: cannot mount a tmpfs in a private mount namespace (needs root and unshare)");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "{mount} && TENSORSHARE_SHM_DIR={} exec {} --ignored --exact large_tensors_of_dead_workers_in_a_small_dev_shm",
+        dir.display(),
+        exe.display()
+    );
+    let out = std::process::Command::new("unshare").args(["-m", "sh", "-c", &script]).output().unwrap();
+    std::fs::remove_dir(&dir).unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}

@@ -110,20 +110,34 @@ impl Cache {
     /// Keeps an arena mapped for a while after its last storage here goes, so that one its
     /// creator hands out again is not mapped (and faulted in) anew. Large one-slot arenas
     /// only within bounds: none over `KEEP_LARGE_EACH`, `KEEP_LARGE_TOTAL` in all, so a
-    /// dropped weight tensor's memory returns when its creator lets it go.
+    /// dropped weight tensor's memory returns when its creator lets it go. Named ones
+    /// (file_system) take room in the shared-memory filesystem, which may be small (a
+    /// container's 64 MiB /dev/shm), and whose room a mapping kept here holds even once the
+    /// name is gone (its creator dead): those within a sixteenth of that filesystem each
+    /// and an eighth in all.
     fn touch(&mut self, arena: &Arc<Arena>) {
         if self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
             return;
         }
         if arena.is_large() {
-            if arena.slot_size() > KEEP_LARGE_EACH {
+            let named = arena.segment().name().is_some();
+            let (each, total) = if named {
+                let size = rustix::fs::fstatvfs(arena.segment().fd())
+                    .map(|v| usize::try_from(v.f_blocks.saturating_mul(v.f_frsize)).unwrap_or(usize::MAX))
+                    .unwrap_or(0);
+                (KEEP_LARGE_EACH.min(size / 16), KEEP_LARGE_TOTAL.min(size / 8))
+            } else {
+                (KEEP_LARGE_EACH, KEEP_LARGE_TOTAL)
+            };
+            if arena.slot_size() > each {
                 return;
             }
+            let kind = |a: &Arc<Arena>| a.is_large() && a.segment().name().is_some() == named;
             let mut large: usize =
-                self.recent.iter().filter(|a| a.is_large()).map(|a| a.slot_size()).sum::<usize>()
+                self.recent.iter().filter(|a| kind(a)).map(|a| a.slot_size()).sum::<usize>()
                     + arena.slot_size();
-            while large > KEEP_LARGE_TOTAL {
-                let Some(i) = self.recent.iter().position(|a| a.is_large()) else { break };
+            while large > total {
+                let Some(i) = self.recent.iter().position(kind) else { break };
                 if let Some(a) = self.recent.remove(i) {
                     large -= a.slot_size();
                 }
