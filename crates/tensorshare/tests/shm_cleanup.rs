@@ -12,6 +12,8 @@ use tensorshare::{set_sharing_strategy, spawn, DType, Queue, SharingStrategy, St
 
 tensorshare::enable_test_workers!();
 
+mod common;
+
 /// The files of the group of `root`: segments (with a creator) and the lock.
 fn files_of(root: i32) -> Vec<segments::SegmentInfo> {
     segments::list().unwrap().into_iter().filter(|s| s.root == root).collect()
@@ -376,4 +378,35 @@ fn a_receiver_in_a_64_mib_dev_shm_keeps_no_dead_workers_arenas() {
     std::fs::remove_dir(&dir).unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
+
+/// A forked worker leaves without exit handlers (they are its parent's): the names of the
+/// named arenas it made go as it leaves, while the job runs on; what it sent stays readable.
+fn forked_worker_body(_rank: usize, ((), status): ((), Queue<(i32, i32)>)) {
+    common::allow_fork_in_helper();
+    let root = found_group(&status);
+    let q: Queue<(Tensor, u32)> = Queue::new().unwrap();
+    let mut ctx = tensorshare::start_processes(
+        |_rank, q: Queue<(Tensor, u32)>| {
+            set_sharing_strategy(SharingStrategy::FileSystem).unwrap();
+            let mut t = Tensor::full(&[1 << 16], 3.0f32);
+            t.share_memory().unwrap();
+            q.put((t, std::process::id())).unwrap();
+        },
+        q.clone(),
+        1,
+        tensorshare::StartMethod::Fork,
+    )
+    .unwrap();
+    let (t, worker) = q.get().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    let left: Vec<_> = files_of(root).into_iter().filter(|s| s.creator == Some(worker as i32)).collect();
+    assert!(left.is_empty(), "the forked worker's names stay: {left:?}");
+    assert!(t.to_vec::<f32>().unwrap().iter().all(|&v| v == 3.0));
+}
+
+#[test]
+fn a_forked_workers_named_arenas_go_with_it() {
+    let (root, cleaner) = in_new_group(forked_worker_body, ());
+    assert_cleaned(root, &cleaner);
 }

@@ -1,7 +1,6 @@
 //! This process's arenas and how their slots are handed out: size classes of growing
 //! arenas, one-slot arenas for large storages kept for reuse within bounds, and trimming.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::{Arena, Slot, MAX_SLOTS, PAGE};
@@ -74,9 +73,9 @@ fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
         }),
         SharingStrategy::FileSystem => FS.get_or_init(|| {
             // Named arenas outlive the allocator's Rust values (statics are never dropped),
-            // so their files are removed when the process exits normally. Processes that
-            // hold them keep their memory through their descriptors.
-            OWNER.store(rustix::process::getpid().as_raw_nonzero().get(), Ordering::Relaxed);
+            // so their files are removed when the process exits normally (a forked worker,
+            // which leaves without exit handlers, does it itself: `unlink_own_names`).
+            // Processes that hold them keep their memory through their descriptors.
             // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
             // statics; atexit has no other contract.
             unsafe { libc::atexit(unlink_named_at_exit) };
@@ -86,20 +85,24 @@ fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
     }
 }
 
-/// The process whose named arenas the allocator holds (a forked child inherits the
-/// allocator but must not remove its parent's files).
-static OWNER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
 extern "C" fn unlink_named_at_exit() {
-    if OWNER.load(Ordering::Relaxed) != rustix::process::getpid().as_raw_nonzero().get() {
-        return;
-    }
+    unlink_own_names();
+}
+
+/// Removes the names of the named arenas this process made (not those a forked child
+/// inherited from its parent, which the parent still uses): whoever holds one keeps its
+/// memory through a descriptor, and nobody opens one by name. For a process on its way
+/// out; a worker forked from its parent calls it itself, as it leaves without exit handlers.
+pub(crate) fn unlink_own_names() {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
     // Another thread may hold the lock while the process exits: then leave the files to the
     // group's cleaner rather than deadlock in exit.
     let Ok(alloc) = allocator(SharingStrategy::FileSystem).try_lock() else { return };
     for arena in alloc.classes.iter().flat_map(|c| c.arenas.iter()).chain(alloc.large.iter()) {
         if let Some(name) = arena.seg.name() {
-            crate::shm::unlink_name(name);
+            if crate::shm::parse_name(name).is_some_and(|(_, creator)| creator == me) {
+                crate::shm::unlink_name(name);
+            }
         }
     }
 }

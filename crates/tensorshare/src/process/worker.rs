@@ -230,7 +230,12 @@ pub(crate) fn worker_main(job: OwnedFd, ppid: i32, exit: ExitKind) -> ! {
 fn leave(exit: ExitKind, code: i32) -> ! {
     match exit {
         ExitKind::Normal => std::process::exit(code),
-        ExitKind::Forked => exit_forked(code),
+        ExitKind::Forked => {
+            // Exit handlers are the parent's, and do not run: the names of the named
+            // arenas this worker made go now (their memory lives on in whoever holds them).
+            crate::arena::unlink_own_names();
+            exit_forked(code)
+        }
     }
 }
 
