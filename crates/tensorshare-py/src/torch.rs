@@ -145,11 +145,21 @@ struct Registry {
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
+/// Runs `f` on the registry under its lock. `f` must run no Python code: it makes no Python
+/// object (an allocation can start the GC, and so any finaliser) and lets no reference go
+/// whose release could free one (a finaliser again). A finaliser may use the registry itself,
+/// which would lock it again in the same thread and hang, or release the GIL, so that another
+/// thread takes the GIL and waits for the lock while this one waits for the GIL. What `f`
+/// takes out of the registry it returns, to be let go once the lock is released. With no
+/// Python code under it, the lock is only ever held by a thread that holds the GIL throughout,
+/// so it never waits either.
 fn with_registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
     let mut guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     f(guard.get_or_insert_with(Registry::default))
 }
 
+/// The object `map` refers to at `addr`, if it is alive. Runs no Python code (for
+/// [`with_registry`]): the new strong reference is to a live object, and is returned.
 fn live<'py>(
     py: Python<'py>,
     map: &HashMap<usize, Py<PyWeakrefReference>>,
@@ -159,23 +169,28 @@ fn live<'py>(
     map.get(&addr).and_then(|w| w.bind(py).upgrade())
 }
 
-fn insert(
-    py: Python<'_>,
-    registry: &mut Registry,
-    storage: bool,
-    addr: usize,
-    obj: &Bound<'_, PyAny>,
-) -> PyResult<()> {
+/// Records `obj` at `addr` in the blocks' map or the storages'.
+fn insert(py: Python<'_>, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    use pyo3::types::PyWeakrefMethods;
+    // Made before the lock is taken: its allocation may run the GC (see `with_registry`).
     let weak = PyWeakrefReference::new(obj)?.unbind();
-    let map = if storage { &mut registry.storages } else { &mut registry.blocks };
-    map.insert(addr, weak);
-    let total = registry.blocks.len() + registry.storages.len();
-    if total > 2 * registry.swept_at.max(64) {
-        use pyo3::types::PyWeakrefMethods;
-        registry.blocks.retain(|_, w| w.bind(py).upgrade().is_some());
-        registry.storages.retain(|_, w| w.bind(py).upgrade().is_some());
-        registry.swept_at = registry.blocks.len() + registry.storages.len();
-    }
+    let gone = with_registry(|registry| {
+        let map = if storage { &mut registry.storages } else { &mut registry.blocks };
+        let mut gone: Vec<Py<PyWeakrefReference>> = map.insert(addr, weak).into_iter().collect();
+        let total = registry.blocks.len() + registry.storages.len();
+        if total > 2 * registry.swept_at.max(64) {
+            for map in [&mut registry.blocks, &mut registry.storages] {
+                // `upgrade` of a live object returns a reference that goes at once, leaving
+                // the object as it was; the dead ones' weak references go after the lock.
+                let dead: Vec<usize> =
+                    map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
+                gone.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
+            }
+            registry.swept_at = registry.blocks.len() + registry.storages.len();
+        }
+        gone
+    });
+    drop(gone);
     Ok(())
 }
 
@@ -190,12 +205,12 @@ pub(crate) fn register_block(py: Python<'_>, block: &Bound<'_, Block>) -> PyResu
     if block.get().storage.is_empty() {
         return Ok(());
     }
-    with_registry(|r| insert(py, r, false, addr, block.as_any()))
+    insert(py, false, addr, block.as_any())
 }
 
 /// Records `storage` as the torch storage over the block at `addr`.
 pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
-    with_registry(|r| insert(py, r, true, addr, storage))
+    insert(py, true, addr, storage)
 }
 
 /// The torch storage over `block`, made (and recorded) when there is none yet.
