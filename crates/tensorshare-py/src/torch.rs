@@ -213,14 +213,41 @@ pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, 
     insert(py, true, addr, storage)
 }
 
+/// The torch storage recorded for `block`, if it lives and still holds the block's memory.
+/// torch can give a storage other memory under it: its own reduction for
+/// `torch.multiprocessing` (`_share_fd_cpu_`, `_share_filename_cpu_`) moves any storage
+/// into torch's shared memory, resizable or not, and `resize_` or `_swap_data_ptr_` do the
+/// like. Such a storage is forgotten here (its tensors keep it), and `None` says to make a
+/// new one over the block.
+fn registered_storage<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    use pyo3::types::PyWeakrefMethods;
+    let addr = block.get().storage.data_ptr();
+    let Some(s) = with_registry(|r| live(py, &r.storages, addr)) else { return Ok(None) };
+    // Asked of torch's C methods (see `Api`), with the registry's lock released.
+    let ptr: usize = api.storage_data_ptr.call0(&s)?.extract()?;
+    let nbytes: usize = api.storage_nbytes.call0(&s)?.extract()?;
+    if ptr == addr && nbytes == block.get().storage.len() {
+        return Ok(Some(s));
+    }
+    let gone = with_registry(|r| match r.storages.get(&addr) {
+        Some(w) if w.bind(py).upgrade().is_some_and(|o| o.is(&s)) => r.storages.remove(&addr),
+        _ => None,
+    });
+    drop(gone);
+    Ok(None)
+}
+
 /// The torch storage over `block`, made (and recorded) when there is none yet.
 pub(crate) fn storage_of<'py>(
     py: Python<'py>,
     api: &Api,
     block: &Bound<'py, Block>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let addr = block.get().storage.data_ptr();
-    if let Some(s) = with_registry(|r| live(py, &r.storages, addr)) {
+    if let Some(s) = registered_storage(py, api, block)? {
         return Ok(s);
     }
     Ok(flat_over(py, api, block, api.uint8.bind(py))?.1)
@@ -457,7 +484,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                 && t.strides() == [1]
                 && t.storage_offset() == 0
                 && t.shape()[0].checked_mul(t.dtype().size()) == Some(block.get().storage.len());
-            match with_registry(|r| live(py, &r.storages, addr)) {
+            match registered_storage(py, api, &block)? {
                 None if whole => flat_over(py, api, &block, dtype)?.0,
                 known => {
                     let storage = match known {

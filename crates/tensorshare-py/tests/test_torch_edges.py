@@ -4,6 +4,8 @@ a program that patches torch's Python classes, a storage torch's own reduction m
 tensors with a negative or conjugate bit, and dtypes the wire has no kind for. A case that
 could hang or crash runs in a Python process of its own, under a timeout."""
 
+import pytest
+
 from conftest import LONG, import_torch, run_python
 
 FINALISER_USES_THE_REGISTRY = """
@@ -93,3 +95,30 @@ def test_a_finaliser_releasing_the_gil_while_another_thread_sends_tensors_does_n
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
+
+
+def test_a_storage_torch_moved_into_its_own_shared_memory_is_not_reused_for_its_old_block():
+    # Before: the block's registered torch storage was reused although torch's reduction
+    # (torch.multiprocessing's queues, ForkingPickler) had moved its memory elsewhere, so a
+    # tensor received over the block read and wrote that foreign memory.
+    torch = import_torch()
+    np = pytest.importorskip("numpy")
+    import tensorshare as ts
+    from tensorshare import _native, _reduction
+
+    block = _native.new_block(64)
+    storage = _reduction.torch_storage(block)
+    assert storage.data_ptr() == block.address
+    # What torch's reduce_storage calls under the file_descriptor strategy.
+    storage._share_fd_cpu_()
+    assert storage.data_ptr() != block.address  # torch did move it
+
+    again = _reduction.torch_storage(block)
+    assert again.data_ptr() == block.address and again.nbytes() == block.nbytes
+
+    mine = np.ndarray(64, np.uint8, buffer=block)
+    mine[:] = 7
+    r = ts.roundtrip(torch.frombuffer(block, dtype=torch.uint8)[8:16])
+    assert r.untyped_storage().data_ptr() == block.address
+    mine[:] = 42
+    assert r.tolist() == [42] * 8
