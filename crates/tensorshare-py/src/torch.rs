@@ -298,9 +298,13 @@ pub(crate) fn empty_shared<'py>(
     Ok(Some(api.t.view.call1(&flat, shape.as_any())?))
 }
 
-/// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
-/// as a handle (a subclass, a sparse layout, a dtype tensorshare lacks: it is pickled).
-pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+/// The dtype of `obj`, and whether it is a `Parameter`, when `obj` is a tensor of a kind
+/// that travels as a handle; `None` for one that is pickled (a subclass, a sparse layout, a
+/// dtype tensorshare lacks) and for anything else. What is
+/// read is what torch's C getters report, whatever a program has done to `torch.Tensor`'s
+/// Python attributes: [`to_tensor`] and the pickler (through [`is_handle`]) decide by this one
+/// function, so that a tensor the pickler hands over as a handle is one.
+fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<(DType, bool)>> {
     let ty = obj.get_type();
     let parameter = ty.is(api.parameter.bind(py));
     if !parameter && !ty.is(api.tensor.bind(py)) {
@@ -309,10 +313,27 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     let a = &api.t;
     let dtype_obj = a.dtype.get(obj)?;
     let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
-    let dtype = DType::ALL[k];
     if !a.layout.get(obj)?.is(api.strided.bind(py)) {
         return Ok(None);
     }
+    Ok(Some((DType::ALL[k], parameter)))
+}
+
+/// Whether `obj` is a torch tensor that [`to_tensor`] sends as a handle: one of a kind that
+/// does ([`handle_kind`]), on the CPU or the meta device (a tensor elsewhere is an error at
+/// the top of a value, and left to torch's pickling inside an object).
+pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if handle_kind(py, api, obj)?.is_none() {
+        return Ok(false);
+    }
+    Ok(api.t.is_meta.get(obj)?.extract::<bool>()? || api.t.is_cpu.get(obj)?.extract::<bool>()?)
+}
+
+/// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
+/// as a handle (see [`handle_kind`]: it is pickled).
+pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+    let Some((dtype, parameter)) = handle_kind(py, api, obj)? else { return Ok(None) };
+    let a = &api.t;
     let requires_grad: bool = a.requires_grad.get(obj)?.extract()?;
     if requires_grad && !a.is_leaf.get(obj)?.extract::<bool>()? {
         return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));

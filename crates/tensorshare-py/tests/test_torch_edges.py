@@ -97,6 +97,51 @@ def test_a_finaliser_releasing_the_gil_while_another_thread_sends_tensors_does_n
     assert out.stdout.strip() == "done"
 
 
+def test_a_patched_dtype_property_neither_recurses_nor_crashes():
+    # Before: Rust read the real dtype (complex64, pickled), Python's persistent_id the
+    # patched one (float32, a handle), so the pickle's inner tensor was pickled again, and
+    # again, until the stack overflowed (SIGSEGV). Now both ask torch's C getter; the tensor
+    # is pickled by torch, which believes the patch as it does in torch.multiprocessing.
+    import_torch()
+    out = run_python(
+        """
+        import pickle
+        import torch
+        import tensorshare as ts
+
+        t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        torch.Tensor.dtype = property(lambda self: torch.float32)
+        r = ts.roundtrip({"t": t})["t"]
+        torch_says = pickle.loads(pickle.dumps(t))
+        del torch.Tensor.dtype
+        print(r.dtype == torch_says.dtype and torch.equal(r, torch_says))
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", out.stdout
+
+
+def test_a_pickled_value_naming_something_that_is_no_handle_is_an_error_not_a_recursion():
+    # The inner values of a pickle take a path that accepts handles only: whatever the
+    # pickler claims, nothing is pickled a second time.
+    out = run_python(
+        """
+        import tensorshare as ts
+        from tensorshare import _reduction
+
+        _reduction.tensor_parts_cheap = lambda obj: True  # claims everything is a handle
+        try:
+            ts.roundtrip({1, 2})
+        except ValueError as e:
+            print("ValueError:", e)
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ValueError:") and "set" in out.stdout, out.stdout
+
+
 def test_a_storage_torch_moved_into_its_own_shared_memory_is_not_reused_for_its_old_block():
     # Before: the block's registered torch storage was reused although torch's reduction
     # (torch.multiprocessing's queues, ForkingPickler) had moved its memory elsewhere, so a

@@ -239,15 +239,12 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
 
 
 def tensor_parts_cheap(obj):
-    """Whether ``obj`` is a tensor or an array that travels as a handle."""
+    """Whether ``obj`` is a tensor or an array that travels as a handle. For a torch tensor
+    the native side answers, from torch's C getters (whatever a program has done to
+    ``torch.Tensor``'s attributes), as it decides when it sends the tensor."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return (
-            type(obj) in (torch.Tensor, torch.nn.Parameter)
-            and str(obj.dtype) in _TORCH_NAMES
-            and obj.layout == torch.strided
-            and obj.device.type in ("cpu", "meta")
-        )
+        return _native.is_tensor_handle(obj)
     np = _numpy()
     return (
         np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
