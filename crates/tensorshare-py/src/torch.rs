@@ -60,6 +60,8 @@ struct TensorAccess {
     is_meta: Getter,
     is_cpu: Getter,
     device: Getter,
+    is_neg: Method,
+    is_conj: Method,
     stride: Method,
     storage_offset: Method,
     untyped_storage: Method,
@@ -81,6 +83,8 @@ impl TensorAccess {
             is_meta: g("is_meta")?,
             is_cpu: g("is_cpu")?,
             device: g("device")?,
+            is_neg: m("is_neg")?,
+            is_conj: m("is_conj")?,
             stride: m("stride")?,
             storage_offset: m("storage_offset")?,
             untyped_storage: m("untyped_storage")?,
@@ -300,7 +304,7 @@ pub(crate) fn empty_shared<'py>(
 
 /// The dtype of `obj`, and whether it is a `Parameter`, when `obj` is a tensor of a kind
 /// that travels as a handle; `None` for one that is pickled (a subclass, a sparse layout, a
-/// dtype tensorshare lacks) and for anything else. What is
+/// dtype tensorshare lacks, a negative or conjugate view) and for anything else. What is
 /// read is what torch's C getters report, whatever a program has done to `torch.Tensor`'s
 /// Python attributes: [`to_tensor`] and the pickler (through [`is_handle`]) decide by this one
 /// function, so that a tensor the pickler hands over as a handle is one.
@@ -314,6 +318,12 @@ fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Op
     let dtype_obj = a.dtype.get(obj)?;
     let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
     if !a.layout.get(obj)?.is(api.strided.bind(py)) {
+        return Ok(None);
+    }
+    // A view with torch's negative or conjugate bit reads its storage's values negated or
+    // conjugated, which a handle (storage and geometry) cannot say. torch's pickling keeps
+    // the bits, over the same storage, still sent as a handle.
+    if a.is_neg.call0(obj)?.extract::<bool>()? || a.is_conj.call0(obj)?.extract::<bool>()? {
         return Ok(None);
     }
     Ok(Some((DType::ALL[k], parameter)))

@@ -167,3 +167,56 @@ def test_a_storage_torch_moved_into_its_own_shared_memory_is_not_reused_for_its_
     assert r.untyped_storage().data_ptr() == block.address
     mine[:] = 42
     assert r.tolist() == [42] * 8
+
+
+def test_negative_and_conjugate_views_arrive_with_their_values():
+    # Before: a view with the negative bit (the imaginary part of a conjugate) was sent as
+    # its storage's raw geometry, and arrived with the wrong sign.
+    torch = import_torch()
+    import tensorshare as ts
+
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+    neg = z.conj().imag
+    assert neg.is_neg()
+    r = ts.roundtrip(neg)
+    assert r.tolist() == [-2.0, 4.0, -6.0]
+
+    neg = torch._neg_view(torch.arange(6.0).view(2, 3)[:, 1:])
+    assert neg.is_neg()
+    assert ts.roundtrip([neg])[0].tolist() == [[-1.0, -2.0], [-4.0, -5.0]]
+
+    conj = z.conj()
+    assert conj.is_conj()
+    r = ts.roundtrip(conj)
+    assert r.tolist() == [1 - 2j, 3 + 4j, -5 - 6j]
+
+
+def test_a_negative_view_arrives_in_another_process_with_its_values_and_shared():
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = z.conj().imag
+    to_child, from_child = ctx.Queue(), ctx.Queue()
+
+    def child(inq, outq):
+        t = inq.get(timeout=LONG)
+        outq.put(t.tolist())
+        inq.get(timeout=LONG)  # the parent has written z
+        outq.put(t.tolist())
+
+    p = ctx.Process(target=child, args=(to_child, from_child))
+    p.start()
+    try:
+        to_child.put(neg)
+        assert from_child.get(timeout=LONG) == [-2.0, 4.0]
+        z.imag[0] = 10.0  # the child's tensor views z's memory, with its sign
+        to_child.put(None)
+        assert from_child.get(timeout=LONG) == [-10.0, 4.0]
+    except BaseException:
+        p.kill()
+        p.join()
+        raise
+    p.join(LONG)
+    assert p.exitcode == 0
