@@ -220,3 +220,59 @@ def test_a_negative_view_arrives_in_another_process_with_its_values_and_shared()
         raise
     p.join(LONG)
     assert p.exitcode == 0
+
+
+def _new_dtypes(torch):
+    """The dtypes torch pickles through ``_rebuild_tensor_v3`` (none of them on the wire)."""
+    return sorted(torch.storage._new_dtypes(), key=str)
+
+
+def test_dtypes_the_wire_lacks_arrive_shared_not_lost():
+    # Before: uint16, uint32, uint64, float8_* and torch's other "new" dtypes could be put,
+    # and the receiver failed in torch's _rebuild_tensor_v3 after taking the message.
+    torch = import_torch()
+    import tensorshare as ts
+
+    for dtype in _new_dtypes(torch):
+        base = torch.arange(48, dtype=torch.uint8)
+        x = base.view(dtype)
+        x = x.view(-1)[1:]
+        r = ts.roundtrip({"x": x})["x"]
+        assert r.dtype == dtype, dtype
+        assert (r.shape, r.stride(), r.storage_offset()) == (x.shape, x.stride(), x.storage_offset())
+        # The same memory: the sender's bytes, moved into a block in place.
+        assert r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), dtype
+        assert bytes(r.untyped_storage()) == bytes(base.untyped_storage()), dtype
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.uint16), requires_grad=False)
+    r = ts.roundtrip(p)
+    assert type(r) is torch.nn.Parameter and r.dtype == torch.uint16 and not r.requires_grad
+
+
+def test_a_uint16_tensor_arrives_in_another_process_shared():
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    x = torch.tensor([1, 2, 60000], dtype=torch.int32).to(torch.uint16)
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_add_one_uint16, args=(q, back))
+    p.start()
+    try:
+        q.put(x)
+        assert back.get(timeout=LONG) == "torch.uint16"
+    except BaseException:
+        p.kill()
+        p.join()
+        raise
+    p.join(LONG)
+    assert p.exitcode == 0
+    assert x.to(torch.int32).tolist() == [2, 3, 60001]
+
+
+def _add_one_uint16(q, back):
+    import torch
+
+    t = q.get(timeout=LONG)
+    t.copy_((t.to(torch.int32) + 1).to(torch.uint16))
+    back.put(str(t.dtype))
