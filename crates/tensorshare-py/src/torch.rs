@@ -41,7 +41,8 @@ pub(crate) struct Api {
     t: TensorAccess,
     /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage. These
     /// never hand a call to Python code (no torch function mode sees them), so what they
-    /// report is torch's own: [`copy_here`] reads memory where they say it is.
+    /// report is torch's own, and calling them runs no Python code: [`copy_here`] reads
+    /// memory where they say it is, with nothing run in between.
     storage_data_ptr: Method,
     storage_nbytes: Method,
     storage_device: Getter,
@@ -416,8 +417,9 @@ pub(crate) fn move_storage<'py>(
     let fresh = api.t.untyped_storage.call0(&fresh)?;
     // The bytes are copied (here when small, else by torch under its own rules), then the
     // storage takes the block's memory and the reference to the block that keeps it mapped;
-    // `fresh` takes the old memory and frees it when it goes.
-    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, storage, block.get())?) {
+    // `fresh` takes what the storage had (its old memory, or the stand-in `copy_here` gave
+    // it) and frees it when it goes.
+    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, swap, storage, block.get())?) {
         api.storage_copy.call1(&fresh, storage)?;
     }
     swap.call1(storage, &fresh)?;
@@ -425,36 +427,64 @@ pub(crate) fn move_storage<'py>(
     Ok(block)
 }
 
-/// Copies the bytes of `storage` into `block`, which was made for them and is not yet
-/// visible to anyone else, when `storage` is a CPU `torch.UntypedStorage` exactly as long
-/// as the block; `false` (nothing done) otherwise, and torch copies.
-fn copy_here(py: Python<'_>, api: &Api, storage: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> {
+/// Copies the bytes of CPU `storage` into `block`, which was made for them and is not yet
+/// visible to anyone else; `false` (nothing done, `storage` as it was) where it does not,
+/// and torch copies.
+///
+/// The storage's memory is not read where it is: a torch operation running in another
+/// thread without the GIL (`resize_`, torch's own sharing) can free it at any time. It is
+/// first swapped into a storage made here, which nothing else can name, so nothing can free
+/// it until that storage goes; `storage` holds the new storage's memory (uninitialised)
+/// until the caller swaps the block's in. A torch operation on `storage` running meanwhile
+/// in another thread reads those bytes, and its writes are lost, as writes made during any
+/// move are (share a tensor before handing it to writers, as in torch).
+fn copy_here(
+    py: Python<'_>,
+    api: &Api,
+    swap: &Method,
+    storage: &Bound<'_, PyAny>,
+    block: &Block,
+) -> PyResult<bool> {
+    let len = block.storage.len();
+    let cpu = api.cpu.bind(py);
+    if !api.storage_device.get(storage)?.eq(cpu)? {
+        return Ok(false);
+    }
+    let private = api.untyped_storage.bind(py).call1((len,))?;
     // An exact `torch.UntypedStorage` is a `torch._C.StorageBase`, whose own C methods are
     // asked, not whatever its Python class may have been given since.
-    if !storage.get_type().is(api.untyped_storage.bind(py))
-        || !api.storage_device.get(storage)?.eq(api.cpu.bind(py))?
+    if !private.get_type().is(api.untyped_storage.bind(py))
+        || !api.storage_device.get(&private)?.eq(cpu)?
+        || api.storage_nbytes.call0(&private)?.extract::<usize>()? != len
     {
         return Ok(false);
     }
-    let len: usize = api.storage_nbytes.call0(storage)?.extract()?;
-    // Read last, in C, with the GIL held from here to the end of the copy: no Python code
-    // runs in between, so none can resize or free the storage meanwhile.
-    let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
-    let dst = block.storage.as_mut_ptr();
-    if addr == 0 || len != block.storage.len() {
+    // From the swap to the end of the copy only torch's C methods `data_ptr` and `nbytes`
+    // are called: METH_NOARGS methods, which pyo3 calls by vectorcall, without a tuple. They
+    // allocate only the int they return, which the GC does not track, so no collection, and
+    // so no finaliser, runs: no Python code at all, which could find `private`
+    // (`gc.get_objects()`) and free its memory.
+    swap.call1(storage, &private)?;
+    let addr: usize = api.storage_data_ptr.call0(&private)?.extract()?;
+    let moved: usize = api.storage_nbytes.call0(&private)?.extract()?;
+    if addr == 0 || moved != len {
+        swap.call1(storage, &private)?;
         return Ok(false);
     }
-    // SAFETY: `addr..addr + len` is the host memory of a live CPU storage, as torch's C
-    // methods reported it just now: this function holds a strong reference to the storage,
-    // so torch does not free that memory, and the GIL has been held since the report, so no
-    // Python code has resized or freed it. (A torch operation running in another thread
-    // without the GIL that resizes this very storage would free the memory under torch's
-    // own `copy_` just the same; torch leaves that race to its users.) The bytes are read
-    // with volatile loads of plain integers, which accept any bit pattern and assume nothing
-    // about other users of the memory: a concurrent writer gives torn bytes, as it would to
-    // torch's copy. `dst..dst + len` is the block's memory, `len` bytes mapped while `block`
-    // lives, in a block made for this move that no other handle, thread or process has yet,
-    // and it cannot overlap torch's allocation.
+    let dst = block.storage.as_mut_ptr();
+    // SAFETY: `addr..addr + len` is the host memory `private` holds, as torch's C methods
+    // reported it just now (a CPU storage of `len` bytes; torch's swap requires equal sizes).
+    // `private` was made above and no reference to it has left this function, so no torch
+    // operation in any thread can resize or free its memory, and no Python code has run
+    // since the swap (the GIL is held, and only C methods that run none were called), so
+    // none has found it either; it lives until this function returns. An operation that read
+    // the storage's old address before the swap may still write those bytes from another
+    // thread: they are read with volatile loads of plain integers, which accept any bit
+    // pattern and assume nothing about other users of the memory (torn bytes, as torch's own
+    // copy would read). `dst..dst + len` is the block's memory, `len` bytes mapped while
+    // `block` lives, in a block made for this move that no other handle, thread or process
+    // has yet (its torch storage is not yet swapped into `storage`), and it cannot overlap
+    // torch's allocation.
     unsafe { copy_volatile(addr as *const u8, dst, len) };
     Ok(true)
 }
