@@ -43,15 +43,47 @@ fn pickled(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         helpers(py)?.call_method1("dumps", (obj,))?.extract()?;
     let mut tensors = Vec::with_capacity(inner.len());
     for t in &inner {
-        tensors.push(match value_of(py, t, tensorshare::value::MAX_DEPTH - 1) {
-            Ok(v) => v,
-            Err(Refused::Err(e)) => return Err(e),
-            Err(Refused::TooDeep) => {
-                return Err(PyValueError::new_err("a pickled object named a value that is not a tensor"))
-            }
-        });
+        // Handles only: what the pickler set aside is never pickled again, so no object
+        // can send this round in a circle, whatever the pickler was told.
+        tensors.push(handle_of(py, t)?.ok_or_else(|| {
+            let class = t.get_type().fully_qualified_name().map_or_else(|_| "?".into(), |n| n.to_string());
+            PyValueError::new_err(format!(
+                "a pickled object named a {class} to send as a handle, which it is not"
+            ))
+        })?);
     }
     Ok(Value::Object { pickle, tensors })
+}
+
+/// `obj` as a handle, when it travels as one: a queue, a pipe end, a torch tensor or a numpy
+/// array (over its block, moved or copied into one first when it is elsewhere); `None` for
+/// anything else.
+fn handle_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+    if let Ok(q) = obj.cast::<PyQueue>() {
+        return Ok(Some(q.get().value()));
+    }
+    if let Ok(c) = obj.cast::<crate::pipe::PyConnection>() {
+        return Ok(Some(c.get().value()?));
+    }
+    if let Some(api) = crate::torch::api(py)? {
+        if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
+            return Ok(Some(v));
+        }
+    }
+    // tensorshare.multiprocessing's Queue and SimpleQueue (not JoinableQueue, whose
+    // semaphores only travel by pickling) are the queue they wrap.
+    let queues = py.import("tensorshare.multiprocessing._queues")?;
+    for class in ["Queue", "SimpleQueue"] {
+        if obj.get_type().is(&queues.getattr(class)?) {
+            let q = obj.getattr("_q")?;
+            return Ok(Some(q.cast::<PyQueue>().map_err(PyErr::from)?.get().value()));
+        }
+    }
+    let parts = helpers(py)?.call_method1("array_parts", (obj,))?;
+    if !parts.is_none() {
+        return Ok(Some(tensor_from_parts(&parts)?));
+    }
+    Ok(None)
 }
 
 fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, Refused> {
@@ -103,29 +135,8 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
         }
         return Ok(Value::Dict(out));
     }
-    if let Ok(q) = obj.cast::<PyQueue>() {
-        return Ok(q.get().value());
-    }
-    if let Ok(c) = obj.cast::<crate::pipe::PyConnection>() {
-        return Ok(c.get().value()?);
-    }
-    if let Some(api) = crate::torch::api(py)? {
-        if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
-            return Ok(v);
-        }
-    }
-    // tensorshare.multiprocessing's Queue and SimpleQueue (not JoinableQueue, whose
-    // semaphores only travel by pickling) are the queue they wrap.
-    let queues = py.import("tensorshare.multiprocessing._queues")?;
-    for class in ["Queue", "SimpleQueue"] {
-        if obj.get_type().is(&queues.getattr(class)?) {
-            let q = obj.getattr("_q")?;
-            return Ok(q.cast::<PyQueue>().map_err(PyErr::from)?.get().value());
-        }
-    }
-    let parts = helpers(py)?.call_method1("array_parts", (obj,))?;
-    if !parts.is_none() {
-        return Ok(tensor_from_parts(&parts)?);
+    if let Some(v) = handle_of(py, obj)? {
+        return Ok(v);
     }
     Ok(pickled(py, obj)?)
 }

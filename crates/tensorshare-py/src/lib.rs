@@ -137,6 +137,16 @@ fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bo
     torch::storage_of(py, api, block)
 }
 
+/// Whether `obj` is a torch tensor sent as a handle (see `torch::is_handle`): what the
+/// pickler asks, so that it and the native side decide alike.
+#[pyfunction]
+fn is_tensor_handle(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match torch::api(py)? {
+        Some(api) => torch::is_handle(py, api, obj),
+        None => Ok(false),
+    }
+}
+
 /// A torch tensor of `shape` (a tuple) and `dtype` over a new block, or None where the
 /// Python side makes it (see `torch::empty_shared`; torch must be imported).
 #[pyfunction]
@@ -199,6 +209,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;

@@ -41,7 +41,8 @@ pub(crate) struct Api {
     t: TensorAccess,
     /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage. These
     /// never hand a call to Python code (no torch function mode sees them), so what they
-    /// report is torch's own: [`copy_here`] reads memory where they say it is.
+    /// report is torch's own, and calling them runs no Python code: [`copy_here`] reads
+    /// memory where they say it is, with nothing run in between.
     storage_data_ptr: Method,
     storage_nbytes: Method,
     storage_device: Getter,
@@ -60,6 +61,8 @@ struct TensorAccess {
     is_meta: Getter,
     is_cpu: Getter,
     device: Getter,
+    is_neg: Method,
+    is_conj: Method,
     stride: Method,
     storage_offset: Method,
     untyped_storage: Method,
@@ -81,6 +84,8 @@ impl TensorAccess {
             is_meta: g("is_meta")?,
             is_cpu: g("is_cpu")?,
             device: g("device")?,
+            is_neg: m("is_neg")?,
+            is_conj: m("is_conj")?,
             stride: m("stride")?,
             storage_offset: m("storage_offset")?,
             untyped_storage: m("untyped_storage")?,
@@ -145,11 +150,21 @@ struct Registry {
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
+/// Runs `f` on the registry under its lock. `f` must run no Python code: it makes no Python
+/// object (an allocation can start the GC, and so any finaliser) and lets no reference go
+/// whose release could free one (a finaliser again). A finaliser may use the registry itself,
+/// which would lock it again in the same thread and hang, or release the GIL, so that another
+/// thread takes the GIL and waits for the lock while this one waits for the GIL. What `f`
+/// takes out of the registry it returns, to be let go once the lock is released. With no
+/// Python code under it, the lock is only ever held by a thread that holds the GIL throughout,
+/// so it never waits either.
 fn with_registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
     let mut guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     f(guard.get_or_insert_with(Registry::default))
 }
 
+/// The object `map` refers to at `addr`, if it is alive. Runs no Python code (for
+/// [`with_registry`]): the new strong reference is to a live object, and is returned.
 fn live<'py>(
     py: Python<'py>,
     map: &HashMap<usize, Py<PyWeakrefReference>>,
@@ -159,23 +174,28 @@ fn live<'py>(
     map.get(&addr).and_then(|w| w.bind(py).upgrade())
 }
 
-fn insert(
-    py: Python<'_>,
-    registry: &mut Registry,
-    storage: bool,
-    addr: usize,
-    obj: &Bound<'_, PyAny>,
-) -> PyResult<()> {
+/// Records `obj` at `addr` in the blocks' map or the storages'.
+fn insert(py: Python<'_>, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    use pyo3::types::PyWeakrefMethods;
+    // Made before the lock is taken: its allocation may run the GC (see `with_registry`).
     let weak = PyWeakrefReference::new(obj)?.unbind();
-    let map = if storage { &mut registry.storages } else { &mut registry.blocks };
-    map.insert(addr, weak);
-    let total = registry.blocks.len() + registry.storages.len();
-    if total > 2 * registry.swept_at.max(64) {
-        use pyo3::types::PyWeakrefMethods;
-        registry.blocks.retain(|_, w| w.bind(py).upgrade().is_some());
-        registry.storages.retain(|_, w| w.bind(py).upgrade().is_some());
-        registry.swept_at = registry.blocks.len() + registry.storages.len();
-    }
+    let gone = with_registry(|registry| {
+        let map = if storage { &mut registry.storages } else { &mut registry.blocks };
+        let mut gone: Vec<Py<PyWeakrefReference>> = map.insert(addr, weak).into_iter().collect();
+        let total = registry.blocks.len() + registry.storages.len();
+        if total > 2 * registry.swept_at.max(64) {
+            for map in [&mut registry.blocks, &mut registry.storages] {
+                // `upgrade` of a live object returns a reference that goes at once, leaving
+                // the object as it was; the dead ones' weak references go after the lock.
+                let dead: Vec<usize> =
+                    map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
+                gone.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
+            }
+            registry.swept_at = registry.blocks.len() + registry.storages.len();
+        }
+        gone
+    });
+    drop(gone);
     Ok(())
 }
 
@@ -190,12 +210,40 @@ pub(crate) fn register_block(py: Python<'_>, block: &Bound<'_, Block>) -> PyResu
     if block.get().storage.is_empty() {
         return Ok(());
     }
-    with_registry(|r| insert(py, r, false, addr, block.as_any()))
+    insert(py, false, addr, block.as_any())
 }
 
 /// Records `storage` as the torch storage over the block at `addr`.
 pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
-    with_registry(|r| insert(py, r, true, addr, storage))
+    insert(py, true, addr, storage)
+}
+
+/// The torch storage recorded for `block`, if it lives and still holds the block's memory.
+/// torch can give a storage other memory under it: its own reduction for
+/// `torch.multiprocessing` (`_share_fd_cpu_`, `_share_filename_cpu_`) moves any storage
+/// into torch's shared memory, resizable or not, and `resize_` or `_swap_data_ptr_` do the
+/// like. Such a storage is forgotten here (its tensors keep it), and `None` says to make a
+/// new one over the block.
+fn registered_storage<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    use pyo3::types::PyWeakrefMethods;
+    let addr = block.get().storage.data_ptr();
+    let Some(s) = with_registry(|r| live(py, &r.storages, addr)) else { return Ok(None) };
+    // Asked of torch's C methods (see `Api`), with the registry's lock released.
+    let ptr: usize = api.storage_data_ptr.call0(&s)?.extract()?;
+    let nbytes: usize = api.storage_nbytes.call0(&s)?.extract()?;
+    if ptr == addr && nbytes == block.get().storage.len() {
+        return Ok(Some(s));
+    }
+    let gone = with_registry(|r| match r.storages.get(&addr) {
+        Some(w) if w.bind(py).upgrade().is_some_and(|o| o.is(&s)) => r.storages.remove(&addr),
+        _ => None,
+    });
+    drop(gone);
+    Ok(None)
 }
 
 /// The torch storage over `block`, made (and recorded) when there is none yet.
@@ -204,8 +252,7 @@ pub(crate) fn storage_of<'py>(
     api: &Api,
     block: &Bound<'py, Block>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let addr = block.get().storage.data_ptr();
-    if let Some(s) = with_registry(|r| live(py, &r.storages, addr)) {
+    if let Some(s) = registered_storage(py, api, block)? {
         return Ok(s);
     }
     Ok(flat_over(py, api, block, api.uint8.bind(py))?.1)
@@ -256,9 +303,13 @@ pub(crate) fn empty_shared<'py>(
     Ok(Some(api.t.view.call1(&flat, shape.as_any())?))
 }
 
-/// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
-/// as a handle (a subclass, a sparse layout, a dtype tensorshare lacks: it is pickled).
-pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+/// The dtype of `obj`, and whether it is a `Parameter`, when `obj` is a tensor of a kind
+/// that travels as a handle; `None` for one that is pickled (a subclass, a sparse layout, a
+/// dtype tensorshare lacks, a negative or conjugate view) and for anything else. What is
+/// read is what torch's C getters report, whatever a program has done to `torch.Tensor`'s
+/// Python attributes: [`to_tensor`] and the pickler (through [`is_handle`]) decide by this one
+/// function, so that a tensor the pickler hands over as a handle is one.
+fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<(DType, bool)>> {
     let ty = obj.get_type();
     let parameter = ty.is(api.parameter.bind(py));
     if !parameter && !ty.is(api.tensor.bind(py)) {
@@ -267,10 +318,33 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     let a = &api.t;
     let dtype_obj = a.dtype.get(obj)?;
     let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
-    let dtype = DType::ALL[k];
     if !a.layout.get(obj)?.is(api.strided.bind(py)) {
         return Ok(None);
     }
+    // A view with torch's negative or conjugate bit reads its storage's values negated or
+    // conjugated, which a handle (storage and geometry) cannot say. torch's pickling keeps
+    // the bits, over the same storage, still sent as a handle.
+    if a.is_neg.call0(obj)?.extract::<bool>()? || a.is_conj.call0(obj)?.extract::<bool>()? {
+        return Ok(None);
+    }
+    Ok(Some((DType::ALL[k], parameter)))
+}
+
+/// Whether `obj` is a torch tensor that [`to_tensor`] sends as a handle: one of a kind that
+/// does ([`handle_kind`]), on the CPU or the meta device (a tensor elsewhere is an error at
+/// the top of a value, and left to torch's pickling inside an object).
+pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if handle_kind(py, api, obj)?.is_none() {
+        return Ok(false);
+    }
+    Ok(api.t.is_meta.get(obj)?.extract::<bool>()? || api.t.is_cpu.get(obj)?.extract::<bool>()?)
+}
+
+/// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
+/// as a handle (see [`handle_kind`]: it is pickled).
+pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
+    let Some((dtype, parameter)) = handle_kind(py, api, obj)? else { return Ok(None) };
+    let a = &api.t;
     let requires_grad: bool = a.requires_grad.get(obj)?.extract()?;
     if requires_grad && !a.is_leaf.get(obj)?.extract::<bool>()? {
         return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));
@@ -343,8 +417,9 @@ pub(crate) fn move_storage<'py>(
     let fresh = api.t.untyped_storage.call0(&fresh)?;
     // The bytes are copied (here when small, else by torch under its own rules), then the
     // storage takes the block's memory and the reference to the block that keeps it mapped;
-    // `fresh` takes the old memory and frees it when it goes.
-    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, storage, block.get())?) {
+    // `fresh` takes what the storage had (its old memory, or the stand-in `copy_here` gave
+    // it) and frees it when it goes.
+    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, swap, storage, block.get())?) {
         api.storage_copy.call1(&fresh, storage)?;
     }
     swap.call1(storage, &fresh)?;
@@ -352,36 +427,64 @@ pub(crate) fn move_storage<'py>(
     Ok(block)
 }
 
-/// Copies the bytes of `storage` into `block`, which was made for them and is not yet
-/// visible to anyone else, when `storage` is a CPU `torch.UntypedStorage` exactly as long
-/// as the block; `false` (nothing done) otherwise, and torch copies.
-fn copy_here(py: Python<'_>, api: &Api, storage: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> {
+/// Copies the bytes of CPU `storage` into `block`, which was made for them and is not yet
+/// visible to anyone else; `false` (nothing done, `storage` as it was) where it does not,
+/// and torch copies.
+///
+/// The storage's memory is not read where it is: a torch operation running in another
+/// thread without the GIL (`resize_`, torch's own sharing) can free it at any time. It is
+/// first swapped into a storage made here, which nothing else can name, so nothing can free
+/// it until that storage goes; `storage` holds the new storage's memory (uninitialised)
+/// until the caller swaps the block's in. A torch operation on `storage` running meanwhile
+/// in another thread reads those bytes, and its writes are lost, as writes made during any
+/// move are (share a tensor before handing it to writers, as in torch).
+fn copy_here(
+    py: Python<'_>,
+    api: &Api,
+    swap: &Method,
+    storage: &Bound<'_, PyAny>,
+    block: &Block,
+) -> PyResult<bool> {
+    let len = block.storage.len();
+    let cpu = api.cpu.bind(py);
+    if !api.storage_device.get(storage)?.eq(cpu)? {
+        return Ok(false);
+    }
+    let private = api.untyped_storage.bind(py).call1((len,))?;
     // An exact `torch.UntypedStorage` is a `torch._C.StorageBase`, whose own C methods are
     // asked, not whatever its Python class may have been given since.
-    if !storage.get_type().is(api.untyped_storage.bind(py))
-        || !api.storage_device.get(storage)?.eq(api.cpu.bind(py))?
+    if !private.get_type().is(api.untyped_storage.bind(py))
+        || !api.storage_device.get(&private)?.eq(cpu)?
+        || api.storage_nbytes.call0(&private)?.extract::<usize>()? != len
     {
         return Ok(false);
     }
-    let len: usize = api.storage_nbytes.call0(storage)?.extract()?;
-    // Read last, in C, with the GIL held from here to the end of the copy: no Python code
-    // runs in between, so none can resize or free the storage meanwhile.
-    let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
-    let dst = block.storage.as_mut_ptr();
-    if addr == 0 || len != block.storage.len() {
+    // From the swap to the end of the copy only torch's C methods `data_ptr` and `nbytes`
+    // are called: METH_NOARGS methods, which pyo3 calls by vectorcall, without a tuple. They
+    // allocate only the int they return, which the GC does not track, so no collection, and
+    // so no finaliser, runs: no Python code at all, which could find `private`
+    // (`gc.get_objects()`) and free its memory.
+    swap.call1(storage, &private)?;
+    let addr: usize = api.storage_data_ptr.call0(&private)?.extract()?;
+    let moved: usize = api.storage_nbytes.call0(&private)?.extract()?;
+    if addr == 0 || moved != len {
+        swap.call1(storage, &private)?;
         return Ok(false);
     }
-    // SAFETY: `addr..addr + len` is the host memory of a live CPU storage, as torch's C
-    // methods reported it just now: this function holds a strong reference to the storage,
-    // so torch does not free that memory, and the GIL has been held since the report, so no
-    // Python code has resized or freed it. (A torch operation running in another thread
-    // without the GIL that resizes this very storage would free the memory under torch's
-    // own `copy_` just the same; torch leaves that race to its users.) The bytes are read
-    // with volatile loads of plain integers, which accept any bit pattern and assume nothing
-    // about other users of the memory: a concurrent writer gives torn bytes, as it would to
-    // torch's copy. `dst..dst + len` is the block's memory, `len` bytes mapped while `block`
-    // lives, in a block made for this move that no other handle, thread or process has yet,
-    // and it cannot overlap torch's allocation.
+    let dst = block.storage.as_mut_ptr();
+    // SAFETY: `addr..addr + len` is the host memory `private` holds, as torch's C methods
+    // reported it just now (a CPU storage of `len` bytes; torch's swap requires equal sizes).
+    // `private` was made above and no reference to it has left this function, so no torch
+    // operation in any thread can resize or free its memory, and no Python code has run
+    // since the swap (the GIL is held, and only C methods that run none were called), so
+    // none has found it either; it lives until this function returns. An operation that read
+    // the storage's old address before the swap may still write those bytes from another
+    // thread: they are read with volatile loads of plain integers, which accept any bit
+    // pattern and assume nothing about other users of the memory (torn bytes, as torch's own
+    // copy would read). `dst..dst + len` is the block's memory, `len` bytes mapped while
+    // `block` lives, in a block made for this move that no other handle, thread or process
+    // has yet (its torch storage is not yet swapped into `storage`), and it cannot overlap
+    // torch's allocation.
     unsafe { copy_volatile(addr as *const u8, dst, len) };
     Ok(true)
 }
@@ -442,7 +545,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                 && t.strides() == [1]
                 && t.storage_offset() == 0
                 && t.shape()[0].checked_mul(t.dtype().size()) == Some(block.get().storage.len());
-            match with_registry(|r| live(py, &r.storages, addr)) {
+            match registered_storage(py, api, &block)? {
                 None if whole => flat_over(py, api, &block, dtype)?.0,
                 known => {
                     let storage = match known {

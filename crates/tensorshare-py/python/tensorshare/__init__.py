@@ -80,8 +80,12 @@ def empty_shared_array(shape, dtype="float32"):
 def share_memory_(t):
     """Moves ``t``'s storage into shared memory (a no-op when it is there); returns ``t``.
 
-    The move is in place for ``t`` (and what later views of it); other tensors that viewed
-    its old storage keep the old memory, so call this before taking views."""
+    The move is in place, as torch's own ``share_memory_()``: the storage takes the new
+    memory, so every torch tensor viewing it, taken before or after, follows (torch >= 2.3).
+    What views the old memory outside torch does not: a numpy array (``t.numpy()``) or a
+    DLPack capsule taken before the move views the old memory, which is freed with the move,
+    exactly as with torch's ``share_memory_()``. Take those after the move (or after the
+    tensor's first ``put``, which moves it the same way)."""
     from ._reduction import _block_of_torch
 
     _block_of_torch(t)

@@ -239,25 +239,42 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
 
 
 def tensor_parts_cheap(obj):
-    """Whether ``obj`` is a tensor or an array that travels as a handle."""
+    """Whether ``obj`` is a tensor or an array that travels as a handle. For a torch tensor
+    the native side answers, from torch's C getters (whatever a program has done to
+    ``torch.Tensor``'s attributes), as it decides when it sends the tensor."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return (
-            type(obj) in (torch.Tensor, torch.nn.Parameter)
-            and str(obj.dtype) in _TORCH_NAMES
-            and obj.layout == torch.strided
-            and obj.device.type in ("cpu", "meta")
-        )
+        return _native.is_tensor_handle(obj)
     np = _numpy()
     return (
         np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
     )
 
 
+def _rebuild_tensor_v3(storage, *args, **kwargs):
+    """torch's ``_rebuild_tensor_v3``, given the storage as torch's own loaders give it.
+
+    torch pickles a tensor of a dtype ``TypedStorage`` lacks (uint16, uint32, uint64, the
+    float8 kinds, ...) with its ``UntypedStorage`` and rebuilds it with
+    ``storage._untyped_storage``, since ``torch.load`` hands it a ``TypedStorage``; the
+    storage arrives here as what it was, an ``UntypedStorage`` (shared, over its block), so
+    it is wrapped as ``torch.load`` wraps it."""
+    torch = _torch()
+    if isinstance(storage, torch.UntypedStorage):
+        dtype = kwargs["dtype"] if "dtype" in kwargs else args[5]
+        storage = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    return torch._utils._rebuild_tensor_v3(storage, *args, **kwargs)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, inner):
         super().__init__(file)
         self._inner = inner
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_tensor_v3
+        return super().find_class(module, name)
 
     def persistent_load(self, pid):
         try:

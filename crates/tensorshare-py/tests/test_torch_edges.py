@@ -1,0 +1,278 @@
+"""Edges of the torch conversion a hostile review found: the registry of blocks and torch
+storages entered again by a finaliser (or by another thread while one releases the GIL),
+a program that patches torch's Python classes, a storage torch's own reduction moved away,
+tensors with a negative or conjugate bit, and dtypes the wire has no kind for. A case that
+could hang or crash runs in a Python process of its own, under a timeout."""
+
+import pytest
+
+from conftest import LONG, import_torch, run_python
+
+FINALISER_USES_THE_REGISTRY = """
+    import gc
+    from tensorshare import _native
+
+    state = {"inside": False, "ran_inside": 0}
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            if state["inside"]:
+                state["ran_inside"] += 1
+            # Uses the registry of blocks, from inside new_block's registration.
+            assert _native.find_block(0) is None
+
+    blocks = []
+    for threshold in range(1, 16):
+        for _ in range(4):
+            gc.collect()
+            gc.disable()
+            Cycle()
+            gc.enable()
+            gc.set_threshold(threshold)
+            state["inside"] = True
+            blocks.append(_native.new_block(16))
+            state["inside"] = False
+            gc.set_threshold(700)
+    assert all(_native.find_block(b.address) is b for b in blocks)
+    print(state["ran_inside"])
+"""
+
+
+def test_a_finaliser_run_by_the_gc_while_a_block_registers_may_use_the_registry():
+    # Before: the registry's lock was held while the weak reference was made, whose
+    # allocation can run the GC; the finaliser's find_block locked it again and hung.
+    out = run_python(FINALISER_USES_THE_REGISTRY, timeout=LONG)
+    assert out.returncode == 0, out.stderr
+    # The finalisers did run inside new_block, so the case the test is for happened.
+    assert int(out.stdout) > 0, out.stdout
+
+
+def test_a_finaliser_releasing_the_gil_while_another_thread_sends_tensors_does_not_deadlock():
+    # Before: a finaliser run by the GC under the registry's lock released the GIL; the
+    # sending thread took the GIL and waited for the lock, and the finaliser for the GIL.
+    import_torch()
+    out = run_python(
+        """
+        import threading, time
+        import torch
+        import tensorshare as ts
+        from tensorshare import _native
+
+        class Cycle:
+            def __init__(self):
+                self.me = self
+
+            def __del__(self):
+                time.sleep(0)  # any finaliser that releases the GIL (I/O, a lock, logging)
+
+        stop = threading.Event()
+        sent = []
+
+        def sender():
+            q = _native.Queue()
+            t = torch.zeros(16)
+            while not stop.is_set():
+                q.put(t)
+                sent.append(q.get())
+
+        th = threading.Thread(target=sender)
+        th.start()
+        try:
+            for _ in range(3000):
+                Cycle()
+                Cycle()
+                ts.empty_shared_array(4)
+        finally:
+            stop.set()
+            th.join()
+        assert sent
+        print("done")
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+
+
+def test_a_patched_dtype_property_neither_recurses_nor_crashes():
+    # Before: Rust read the real dtype (complex64, pickled), Python's persistent_id the
+    # patched one (float32, a handle), so the pickle's inner tensor was pickled again, and
+    # again, until the stack overflowed (SIGSEGV). Now both ask torch's C getter; the tensor
+    # is pickled by torch, which believes the patch as it does in torch.multiprocessing.
+    import_torch()
+    out = run_python(
+        """
+        import pickle
+        import torch
+        import tensorshare as ts
+
+        t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        torch.Tensor.dtype = property(lambda self: torch.float32)
+        r = ts.roundtrip({"t": t})["t"]
+        torch_says = pickle.loads(pickle.dumps(t))
+        del torch.Tensor.dtype
+        print(r.dtype == torch_says.dtype and torch.equal(r, torch_says))
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", out.stdout
+
+
+def test_a_pickled_value_naming_something_that_is_no_handle_is_an_error_not_a_recursion():
+    # The inner values of a pickle take a path that accepts handles only: whatever the
+    # pickler claims, nothing is pickled a second time.
+    out = run_python(
+        """
+        import tensorshare as ts
+        from tensorshare import _reduction
+
+        _reduction.tensor_parts_cheap = lambda obj: True  # claims everything is a handle
+        try:
+            ts.roundtrip({1, 2})
+        except ValueError as e:
+            print("ValueError:", e)
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ValueError:") and "set" in out.stdout, out.stdout
+
+
+def test_a_storage_torch_moved_into_its_own_shared_memory_is_not_reused_for_its_old_block():
+    # Before: the block's registered torch storage was reused although torch's reduction
+    # (torch.multiprocessing's queues, ForkingPickler) had moved its memory elsewhere, so a
+    # tensor received over the block read and wrote that foreign memory.
+    torch = import_torch()
+    np = pytest.importorskip("numpy")
+    import tensorshare as ts
+    from tensorshare import _native, _reduction
+
+    block = _native.new_block(64)
+    storage = _reduction.torch_storage(block)
+    assert storage.data_ptr() == block.address
+    # What torch's reduce_storage calls under the file_descriptor strategy.
+    storage._share_fd_cpu_()
+    assert storage.data_ptr() != block.address  # torch did move it
+
+    again = _reduction.torch_storage(block)
+    assert again.data_ptr() == block.address and again.nbytes() == block.nbytes
+
+    mine = np.ndarray(64, np.uint8, buffer=block)
+    mine[:] = 7
+    r = ts.roundtrip(torch.frombuffer(block, dtype=torch.uint8)[8:16])
+    assert r.untyped_storage().data_ptr() == block.address
+    mine[:] = 42
+    assert r.tolist() == [42] * 8
+
+
+def test_negative_and_conjugate_views_arrive_with_their_values():
+    # Before: a view with the negative bit (the imaginary part of a conjugate) was sent as
+    # its storage's raw geometry, and arrived with the wrong sign.
+    torch = import_torch()
+    import tensorshare as ts
+
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+    neg = z.conj().imag
+    assert neg.is_neg()
+    r = ts.roundtrip(neg)
+    assert r.tolist() == [-2.0, 4.0, -6.0]
+
+    neg = torch._neg_view(torch.arange(6.0).view(2, 3)[:, 1:])
+    assert neg.is_neg()
+    assert ts.roundtrip([neg])[0].tolist() == [[-1.0, -2.0], [-4.0, -5.0]]
+
+    conj = z.conj()
+    assert conj.is_conj()
+    r = ts.roundtrip(conj)
+    assert r.tolist() == [1 - 2j, 3 + 4j, -5 - 6j]
+
+
+def test_a_negative_view_arrives_in_another_process_with_its_values_and_shared():
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = z.conj().imag
+    to_child, from_child = ctx.Queue(), ctx.Queue()
+
+    def child(inq, outq):
+        t = inq.get(timeout=LONG)
+        outq.put(t.tolist())
+        inq.get(timeout=LONG)  # the parent has written z
+        outq.put(t.tolist())
+
+    p = ctx.Process(target=child, args=(to_child, from_child))
+    p.start()
+    try:
+        to_child.put(neg)
+        assert from_child.get(timeout=LONG) == [-2.0, 4.0]
+        z.imag[0] = 10.0  # the child's tensor views z's memory, with its sign
+        to_child.put(None)
+        assert from_child.get(timeout=LONG) == [-10.0, 4.0]
+    except BaseException:
+        p.kill()
+        p.join()
+        raise
+    p.join(LONG)
+    assert p.exitcode == 0
+
+
+def _new_dtypes(torch):
+    """The dtypes torch pickles through ``_rebuild_tensor_v3`` (none of them on the wire)."""
+    return sorted(torch.storage._new_dtypes(), key=str)
+
+
+def test_dtypes_the_wire_lacks_arrive_shared_not_lost():
+    # Before: uint16, uint32, uint64, float8_* and torch's other "new" dtypes could be put,
+    # and the receiver failed in torch's _rebuild_tensor_v3 after taking the message.
+    torch = import_torch()
+    import tensorshare as ts
+
+    for dtype in _new_dtypes(torch):
+        base = torch.arange(48, dtype=torch.uint8)
+        x = base.view(dtype)
+        x = x.view(-1)[1:]
+        r = ts.roundtrip({"x": x})["x"]
+        assert r.dtype == dtype, dtype
+        assert (r.shape, r.stride(), r.storage_offset()) == (x.shape, x.stride(), x.storage_offset())
+        # The same memory: the sender's bytes, moved into a block in place.
+        assert r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), dtype
+        assert bytes(r.untyped_storage()) == bytes(base.untyped_storage()), dtype
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.uint16), requires_grad=False)
+    r = ts.roundtrip(p)
+    assert type(r) is torch.nn.Parameter and r.dtype == torch.uint16 and not r.requires_grad
+
+
+def test_a_uint16_tensor_arrives_in_another_process_shared():
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    x = torch.tensor([1, 2, 60000], dtype=torch.int32).to(torch.uint16)
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_add_one_uint16, args=(q, back))
+    p.start()
+    try:
+        q.put(x)
+        assert back.get(timeout=LONG) == "torch.uint16"
+    except BaseException:
+        p.kill()
+        p.join()
+        raise
+    p.join(LONG)
+    assert p.exitcode == 0
+    assert x.to(torch.int32).tolist() == [2, 3, 60001]
+
+
+def _add_one_uint16(q, back):
+    import torch
+
+    t = q.get(timeout=LONG)
+    t.copy_((t.to(torch.int32) + 1).to(torch.uint16))
+    back.put(str(t.dtype))
