@@ -187,6 +187,15 @@ fn set_sharing_strategy(name: &str) -> PyResult<()> {
     tensorshare::set_sharing_strategy(s).map_err(to_py)
 }
 
+/// The cleanup group a process started now should join (`TENSORSHARE_SHM_GROUP` in its
+/// environment), founding one under the file_system strategy; `None` without named
+/// segments. The spawn and forkserver contexts pass it to their children, whose
+/// environment is not this process's (the fork server's is its own).
+#[pyfunction]
+fn shm_group_for_workers() -> PyResult<Option<i32>> {
+    tensorshare::segments::group_for_workers().map_err(to_py)
+}
+
 /// The strategies this platform offers, by torch's names.
 #[pyfunction]
 fn get_all_sharing_strategies() -> Vec<String> {
@@ -214,6 +223,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(shm_group_for_workers, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;
     m.add_function(wrap_pyfunction!(convert::roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(queue::export, m)?)?;

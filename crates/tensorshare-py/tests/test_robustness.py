@@ -376,3 +376,47 @@ def test_a_message_naming_a_meta_array_is_an_error_not_a_crash():
     assert out.returncode == 0, out.stderr
     assert "refused: a meta tensor of shape [1048576] has no data" in out.stdout, out.stdout
     assert "refused too: an array of shape (1048576,) over an empty block" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_and_forkserver_children_join_the_parents_cleanup_group(method):
+    # A child started by spawn or the fork server does not have its parent's environment:
+    # it is told the parent's cleanup group, and its named segments belong to it (one group,
+    # one cleaner for the whole job, not one per child).
+    import_torch()
+    out = run_python(
+        f"""
+        import os
+        import torch
+        import tensorshare.multiprocessing as mp
+        from tensorshare import _native
+
+        def work(q):
+            mp.set_sharing_strategy("file_system")
+            t = torch.ones(10).share_memory_()
+            me = os.getpid()
+            mine = [n for n in os.listdir("/dev/shm") if n.startswith("tensorshare_") and f"_{{me}}_" in n]
+            q.put((os.environ.get("TENSORSHARE_SHM_GROUP"), mine, t))
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            base = torch.ones(10).share_memory_()
+            root = _native.shm_group_for_workers()
+            ctx = mp.get_context("{method}")
+            q = ctx.Queue()
+            ps = [ctx.Process(target=work, args=(q,)) for _ in range(2)]
+            for p in ps:
+                p.start()
+            got = [q.get(timeout=60) for _ in ps]
+            for p in ps:
+                p.join(60)
+            for group, mine, t in got:
+                assert group == str(root), (group, root)
+                assert mine and all(n.startswith(f"tensorshare_{{root}}_") for n in mine), (mine, root)
+                assert float(t.sum()) == 10.0
+            print("exitcodes", [p.exitcode for p in ps])
+        """,
+        env={"TENSORSHARE_SHM_GROUP": ""},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exitcodes [0, 0]" in out.stdout, out.stdout + out.stderr

@@ -33,3 +33,13 @@ pub use crate::shm::{available_bytes, gc, list, shm_dir, SegmentInfo, SHM_DIR_EN
 pub fn guard_sigbus() -> crate::Result<()> {
     crate::shm::guard_sigbus()
 }
+
+/// The root of the cleanup group that a worker started now should join (pass it in the
+/// worker's environment as `TENSORSHARE_SHM_GROUP`), founding one under the file_system
+/// strategy if this process has none yet; `None` when this process uses no named segments.
+/// For launchers of their own, such as the Python package's spawn and forkserver contexts:
+/// tensorshare's own workers get it without asking.
+#[doc(hidden)]
+pub fn group_for_workers() -> crate::Result<Option<i32>> {
+    crate::shm::group::for_workers()
+}

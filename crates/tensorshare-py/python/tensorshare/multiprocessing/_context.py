@@ -13,6 +13,8 @@ from . import _queues
 
 _lock = threading.Lock()
 _contexts = {}
+# Names the cleanup group a process joins (tensorshare's `shm::group`).
+_SHM_GROUP_ENV = "TENSORSHARE_SHM_GROUP"
 
 
 def _export_for_child(obj):
@@ -103,9 +105,16 @@ class ByValueMixin:
         state = self.__dict__.copy()
         payload = (state.pop("_target", None), state.pop("_args", ()), state.pop("_kwargs", {}))
         state["_tensorshare_payload"] = _ByValue(payload)
+        # The cleanup group of the parent's named segments, which the child joins: its
+        # environment is not the parent's (the fork server's is its own), and without it
+        # every child would found a group, and start a cleaner, of its own.
+        state["_tensorshare_shm_group"] = _native.shm_group_for_workers()
         return state
 
     def __setstate__(self, state):
+        group = state.pop("_tensorshare_shm_group", None)
+        if group is not None:
+            os.environ[_SHM_GROUP_ENV] = str(group)
         payload = state.pop("_tensorshare_payload").value
         self.__dict__.update(state)
         self._target, self._args, self._kwargs = payload
