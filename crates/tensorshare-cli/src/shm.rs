@@ -9,11 +9,11 @@ pub fn ls() -> Result<(), String> {
         println!("no tensorshare segments of this user in {}", dir.display());
         return Ok(());
     }
-    println!("{:<56} {:>10} {:>8} {:>8}  group", "name", "size", "creator", "root");
+    println!("{:<56} {:>10} {:>8} {:>10}  group", "name", "size", "creator", "root");
     for s in &segments {
         let creator = s.creator.map_or_else(|| "-".to_string(), |c| c.to_string());
         let state = if s.group_alive { "alive" } else { "dead (shm gc removes it)" };
-        println!("{:<56} {:>10} {:>8} {:>8}  {state}", s.name, human(s.size), creator, s.root);
+        println!("{:<56} {:>10} {:>8} {:>10}  {state}", s.name, human(s.size), creator, s.root);
     }
     Ok(())
 }

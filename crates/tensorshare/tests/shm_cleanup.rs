@@ -410,3 +410,36 @@ fn a_forked_workers_named_arenas_go_with_it() {
     let (root, cleaner) = in_new_group(forked_worker_body, ());
     assert_cleaned(root, &cleaner);
 }
+
+/// A process told to join a group (its parent's) whose files are being removed at that
+/// moment (its last member gone, its cleaner holding the lock file's exclusive lock) waits
+/// for that lock; once the cleaner has unlinked the file and let go, the joiner founds a
+/// group of its own instead of joining one nobody will clean.
+fn joiner_body(_rank: usize, _: ()) {
+    use std::os::unix::fs::MetadataExt;
+    let dead = unused_root() + 7;
+    let path = segments::shm_dir().join(format!("tensorshare_{dead}_group"));
+    let cleaner = std::fs::File::create(&path).unwrap();
+    rustix::fs::flock(&cleaner, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    // The variable a parent sets for its workers; this helper has one thread here.
+    std::env::set_var("TENSORSHARE_SHM_GROUP", dead.to_string());
+    let joiner = std::thread::spawn(|| raw::ensure_group().unwrap());
+    // Until the joiner waits for the lock (a blocked request shows with `->` in /proc/locks).
+    let ino = format!(":{} ", cleaner.metadata().unwrap().ino());
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.contains(&ino))
+    {
+        std::thread::yield_now();
+    }
+    std::fs::remove_file(&path).unwrap();
+    drop(cleaner);
+    let root = joiner.join().unwrap();
+    assert_ne!(root, dead, "joined a group whose files were being removed");
+}
+
+#[test]
+fn a_process_joining_a_group_being_removed_founds_its_own() {
+    common::isolated_with(joiner_body, ());
+}

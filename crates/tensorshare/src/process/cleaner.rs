@@ -99,5 +99,11 @@ fn clean_when_dead(root: i32, proof: Vec<OwnedFd>) -> Result<()> {
             Err(e) => return Err(Error::io("flock(LOCK_EX) on the group lock", e)),
         }
     }
+    // Still the file of that name: otherwise the group was removed already (by a founder
+    // that found it dead: see `group::remove_if_dead`), and the name, if it is there, is a
+    // later group's.
+    if !group::is_named(&lock, root) {
+        return Ok(());
+    }
     group::remove_group(root, false).map(|_| ())
 }

@@ -105,11 +105,15 @@ pub(crate) fn ensure() -> Result<i32> {
         return Ok(g.root);
     }
     if let Some(root) = std::env::var(GROUP_ENV).ok().and_then(|v| v.parse::<i32>().ok()) {
-        // Join the group this process was started in, if it still exists.
+        // Join the group this process was started in, if it still exists: once locked, the
+        // file must still be the one of that name (a group's cleaner, or a founder removing
+        // a dead group, unlinks it while holding its exclusive lock, which this waits for).
         if let Ok(lock) = open_lock(root) {
             lock_shared(&lock)?;
-            *g = Some(Group { root, founder: 0, _lock: lock, cleaner: None });
-            return Ok(root);
+            if is_named(&lock, root) {
+                *g = Some(Group { root, founder: 0, _lock: lock, cleaner: None });
+                return Ok(root);
+            }
         }
     }
     *g = Some(found()?);
@@ -160,10 +164,38 @@ fn sweep_dead_groups(min_age: std::time::Duration) {
         *roots.entry(root).or_insert(true) &= old;
     }
     for (root, old) in roots {
-        if old && !group_alive(root) {
-            let _ = remove_group(root, false);
+        if old {
+            let _ = remove_if_dead(root);
         }
     }
+}
+
+/// Whether `lock` is the file named as the lock file of `root` now.
+pub(crate) fn is_named(lock: &OwnedFd, root: i32) -> bool {
+    let path = shm_dir().join(lock_name(root));
+    match (rustix::fs::fstat(lock), rustix::fs::lstat(&path)) {
+        (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
+        _ => false,
+    }
+}
+
+/// Removes the files of the group of `root` if it has no member, holding the exclusive lock
+/// of its lock file throughout: no process can join it meanwhile (a joiner's shared lock
+/// waits, and then finds the name gone: see `ensure`), and no founder can take its name
+/// (which exists until the end). A root without a lock file is left alone (to `shm gc`):
+/// nothing tells a group that lost it from one being founded under that name just now.
+/// Returns the names removed.
+pub(crate) fn remove_if_dead(root: i32) -> Result<Vec<String>> {
+    let lock = match open_lock(root) {
+        Ok(lock) => lock,
+        Err(_) => return Ok(Vec::new()),
+    };
+    if rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive).is_err() || !is_named(&lock, root) {
+        return Ok(Vec::new()); // a member holds it, or the name is another file's by now
+    }
+    let removed = remove_group(root, false);
+    drop(lock);
+    removed
 }
 
 /// Roots that are not pids (a pid is at most 2^22, the kernel's limit): taken when the
@@ -203,10 +235,8 @@ fn create_locked() -> Result<(i32, OwnedFd)> {
         ) {
             Ok(()) => return Ok((root, fd)),
             Err(Errno::EXIST) => {
-                if !group_alive(root) {
-                    // Left by a dead group whose root had this number: ours to replace.
-                    let _ = remove_group(root, false);
-                }
+                // Left by a dead group whose root had this number: ours to replace.
+                let _ = remove_if_dead(root);
                 last = Some(target);
             }
             Err(e) => return Err(Error::io(format!("linking {}", target.display()), e)),
@@ -271,7 +301,15 @@ pub(crate) fn remove_group(root: i32, dry_run: bool) -> Result<Vec<String>> {
 /// Whether any process still holds the group of `root` (its lock file exists and is
 /// locked by a member).
 pub(crate) fn group_alive(root: i32) -> bool {
-    let Ok(lock) = open_lock(root) else { return false };
+    let path = shm_dir().join(lock_name(root));
+    let lock = match rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty())
+    {
+        Ok(lock) => lock,
+        // No lock file: no member. Any other failure (no descriptor left, no permission, not
+        // a file) tells nothing, and a group is never taken for dead on nothing.
+        Err(Errno::NOENT) => return false,
+        Err(_) => return true,
+    };
     match rustix::fs::flock(lock.as_fd(), FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => false, // closing `lock` releases it at once
         Err(_) => true,

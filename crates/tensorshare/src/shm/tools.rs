@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use super::group::{group_alive, remove_group};
+use super::group::{group_alive, open_lock, remove_group, remove_if_dead};
 use super::{shm_dir, NAME_PREFIX};
 use crate::{Error, Result};
 
@@ -14,7 +14,7 @@ pub struct SegmentInfo {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
-    /// The cleanup group's root pid.
+    /// The cleanup group's root: its founder's pid, or a number above any pid (see the module).
     pub root: i32,
     /// The creating process (None for the group's lock file).
     pub creator: Option<i32>,
@@ -53,11 +53,17 @@ pub fn gc(dry_run: bool) -> Result<Vec<String>> {
     dead.dedup();
     let mut removed = Vec::new();
     for root in dead {
-        // Checked again just before: a group is never removed while one of its processes lives.
-        if group_alive(root) {
-            continue;
+        if dry_run {
+            if !group_alive(root) {
+                removed.extend(remove_group(root, true)?);
+            }
+        } else if open_lock(root).is_ok() {
+            // Under the group's exclusive lock, if it is still free and still that file.
+            removed.extend(remove_if_dead(root)?);
+        } else if !group_alive(root) {
+            // Files without a lock file (planted, or left by a removal cut short).
+            removed.extend(remove_group(root, false)?);
         }
-        removed.extend(remove_group(root, dry_run)?);
     }
     Ok(removed)
 }

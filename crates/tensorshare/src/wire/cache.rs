@@ -122,9 +122,14 @@ impl Cache {
         if arena.is_large() {
             let named = arena.segment().name().is_some();
             let (each, total) = if named {
+                // A filesystem of no size (unlimited), or one that cannot be asked: kept by
+                // the bounds of memory, as memfds are.
                 let size = rustix::fs::fstatvfs(arena.segment().fd())
-                    .map(|v| usize::try_from(v.f_blocks.saturating_mul(v.f_frsize)).unwrap_or(usize::MAX))
-                    .unwrap_or(0);
+                    .ok()
+                    .filter(|v| v.f_blocks > 0)
+                    .map_or(usize::MAX, |v| {
+                        usize::try_from(v.f_blocks.saturating_mul(v.f_frsize)).unwrap_or(usize::MAX)
+                    });
                 (KEEP_LARGE_EACH.min(size / 16), KEEP_LARGE_TOTAL.min(size / 8))
             } else {
                 (KEEP_LARGE_EACH, KEEP_LARGE_TOTAL)
@@ -132,14 +137,25 @@ impl Cache {
             if arena.slot_size() > each {
                 return;
             }
-            let kind = |a: &Arc<Arena>| a.is_large() && a.segment().name().is_some() == named;
-            let mut large: usize =
-                self.recent.iter().filter(|a| kind(a)).map(|a| a.slot_size()).sum::<usize>()
-                    + arena.slot_size();
-            while large > total {
-                let Some(i) = self.recent.iter().position(kind) else { break };
+            // Within `KEEP_LARGE_TOTAL` in all, and named ones also within their own bound.
+            let is_named = |a: &Arc<Arena>| a.segment().name().is_some();
+            let sum = |f: &dyn Fn(&Arc<Arena>) -> bool| {
+                self.recent.iter().filter(|a| a.is_large() && f(a)).map(|a| a.slot_size()).sum::<usize>()
+            };
+            let mut all = sum(&|_| true) + arena.slot_size();
+            let mut of_named = sum(&is_named) + if named { arena.slot_size() } else { 0 };
+            while all > KEEP_LARGE_TOTAL || of_named > total {
+                // The oldest large one, a named one if those are over their bound.
+                let over_named = of_named > total;
+                let Some(i) = self.recent.iter().position(|a| a.is_large() && (!over_named || is_named(a)))
+                else {
+                    break;
+                };
                 if let Some(a) = self.recent.remove(i) {
-                    large -= a.slot_size();
+                    all -= a.slot_size();
+                    if is_named(&a) {
+                        of_named -= a.slot_size();
+                    }
                 }
             }
         }
