@@ -196,6 +196,13 @@ fn shm_group_for_workers() -> PyResult<Option<i32>> {
     tensorshare::segments::group_for_workers().map_err(to_py)
 }
 
+/// Removes the names of the named segments this process made: for a child about to end
+/// in `os._exit`, which runs no exit handler.
+#[pyfunction]
+fn unlink_own_names() {
+    tensorshare::segments::unlink_own_names()
+}
+
 /// The strategies this platform offers, by torch's names.
 #[pyfunction]
 fn get_all_sharing_strategies() -> Vec<String> {
@@ -224,6 +231,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(shm_group_for_workers, m)?)?;
+    m.add_function(wrap_pyfunction!(unlink_own_names, m)?)?;
     m.add_function(wrap_pyfunction!(get_all_sharing_strategies, m)?)?;
     m.add_function(wrap_pyfunction!(convert::roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(queue::export, m)?)?;

@@ -7,6 +7,8 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -420,3 +422,81 @@ def test_spawned_and_forkserver_children_join_the_parents_cleanup_group(method):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exitcodes [0, 0]" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_fork_child_removes_the_names_of_what_it_made_as_it_leaves():
+    # A fork child ends in os._exit, which runs no exit handler: the names of the named
+    # segments it made go as it leaves, while the job runs on; what it sent stays readable.
+    import_torch()
+    out = run_python(
+        """
+        import os
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def work(q):
+            mp.set_sharing_strategy("file_system")
+            q.put((os.getpid(), torch.full((1 << 16,), 3.0).share_memory_()))
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            base = torch.ones(10).share_memory_()  # the parent's group, which the child is in
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+            p = ctx.Process(target=work, args=(q,))
+            p.start()
+            pid, t = q.get(timeout=60)
+            p.join(60)
+            names = [n for n in os.listdir("/dev/shm") if n.startswith("tensorshare_")]
+            left = [n for n in names if n.split("_")[2:3] == [str(pid)]]
+            assert left == [], left
+            assert float(t.sum()) == 3.0 * (1 << 16)
+            print("exitcode", p.exitcode)
+        """,
+        env={"TENSORSHARE_SHM_GROUP": ""},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exitcode 0" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_whose_main_module_shares_on_import_joins_the_parents_group(method, tmp_path):
+    # A spawn or fork server child imports the main module before it reads its process
+    # state: a named segment made at import must already belong to the parent's group.
+    import_torch()
+    script = tmp_path / "main_shares_on_import.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os
+            import torch
+            import tensorshare.multiprocessing as mp
+
+            mp.set_sharing_strategy("file_system")
+            AT_IMPORT = torch.ones(10).share_memory_()
+
+
+            def work(q):
+                names = [n for n in os.listdir("/dev/shm") if n.startswith("tensorshare_")]
+                q.put([n for n in names if n.split("_")[2:3] == [str(os.getpid())]])
+
+
+            if __name__ == "__main__":
+                from tensorshare import _native
+
+                ctx = mp.get_context("{method}")
+                q = ctx.Queue()
+                p = ctx.Process(target=work, args=(q,))
+                p.start()
+                mine = q.get(timeout=60)
+                p.join(60)
+                root = _native.shm_group_for_workers()
+                assert mine and all(n.startswith(f"tensorshare_{{root}}_") for n in mine), (mine, root)
+                print("exitcode", p.exitcode)
+            """
+        )
+    )
+    env = dict(os.environ, TENSORSHARE_SHM_GROUP="")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exitcode 0" in out.stdout, out.stdout + out.stderr

@@ -614,15 +614,21 @@ if __name__ == "__main__":
 def leak_scenario():
     """torch's leak_checker, reinterpreted: a process runs the sharing and pool cases under
     file_system with each start method (and one child dies by SIGKILL); once they have all
-    exited, what is left in /dev/shm named after their groups (``tensorshare_<root>_``)."""
+    exited, what is left in /dev/shm named after their groups or made by them."""
     done = run_python(_LEAK_SCENARIO, timeout=120)
     assert done.returncode == 0, done.stderr
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("ROOTS "))
     roots = json.loads(line[len("ROOTS ") :])
 
     def left(pids):
-        names = os.listdir("/dev/shm")
-        return sorted(n for n in names for r in pids if n.startswith(f"tensorshare_{r}_"))
+        # `tensorshare_<root>_<creator>_<random>` and `tensorshare_<root>_group`: a process's
+        # files are those of the group it founded, and those it made in another's (a child
+        # joins its parent's group).
+        def of(name, pid):
+            parts = name.split("_")
+            return name.startswith("tensorshare_") and str(pid) in parts[1:3]
+
+        return sorted(n for n in os.listdir("/dev/shm") for r in pids if of(n, r))
 
     everything = roots["graceful"] + roots["killed"]
     # Whatever a group's cleaner removes, it removes once the group's last member is gone.

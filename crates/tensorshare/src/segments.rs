@@ -43,3 +43,12 @@ pub fn guard_sigbus() -> crate::Result<()> {
 pub fn group_for_workers() -> crate::Result<Option<i32>> {
     crate::shm::group::for_workers()
 }
+
+/// Removes the names of the named segments this process made (their memory lives on in
+/// whoever holds them: nobody opens one by name). For a process about to leave without
+/// running its exit handlers, such as a Python child that ends in `os._exit`: tensorshare's
+/// own workers do it themselves.
+#[doc(hidden)]
+pub fn unlink_own_names() {
+    crate::arena::unlink_own_names()
+}

@@ -119,10 +119,33 @@ class ByValueMixin:
         self.__dict__.update(state)
         self._target, self._args, self._kwargs = payload
 
+    def start(self):
+        # The group is in the environment the child starts with (and a fork server started
+        # now), for as long as it takes to start it: a child whose main module makes a named
+        # segment on import, before it reads its state, joins it too. Not left there, or
+        # every later subprocess of this process, related or not, would join the group.
+        group = _native.shm_group_for_workers()
+        if group is None:
+            return super().start()
+        before = os.environ.get(_SHM_GROUP_ENV)
+        os.environ[_SHM_GROUP_ENV] = str(group)
+        try:
+            return super().start()
+        finally:
+            if before is None:
+                os.environ.pop(_SHM_GROUP_ENV, None)
+            else:
+                os.environ[_SHM_GROUP_ENV] = before
+
     def _bootstrap(self, *args, **kwargs):
         _allocate_batches_in_arenas()
         _keep_sigbus_handler_in_torch_workers()
-        return super()._bootstrap(*args, **kwargs)
+        try:
+            return super()._bootstrap(*args, **kwargs)
+        finally:
+            # A fork or fork server child ends in os._exit, which runs no exit handler: the
+            # names of the named segments it made go now (whoever holds one keeps its memory).
+            _native.unlink_own_names()
 
 
 class ForkProcess(ByValueMixin, multiprocessing.context.ForkProcess):
