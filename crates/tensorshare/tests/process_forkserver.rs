@@ -45,6 +45,13 @@ fn ended_within(fd: &std::os::fd::OwnedFd, timeout: Duration) -> bool {
     rustix::event::poll(&mut p, Some(&ts)).unwrap() == 1
 }
 
+/// That the dead process behind `fd`, a child of this one, is reaped already (no zombie).
+fn assert_reaped(fd: &std::os::fd::OwnedFd) {
+    let wait =
+        rustix::process::waitid(WaitId::PidFd(fd.as_fd()), WaitIdOptions::EXITED | WaitIdOptions::NOHANG);
+    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
+}
+
 fn report_ids(_rank: usize, q: Queue<(i32, i32)>) {
     q.put(ids()).unwrap();
 }
@@ -198,21 +205,13 @@ fn killed_server_is_replaced(_rank: usize, _: ()) {
     }
     // And the dead server, a child of this process, is reaped already: no zombie is left
     // waiting for a next request that may never come.
-    let wait = rustix::process::waitid(
-        WaitId::PidFd(server_fd.as_fd()),
-        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
-    );
-    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
+    assert_reaped(&server_fd);
     // The next request starts another server.
     let mut next = start_processes(report_ids, q.clone(), 1, FS).unwrap();
     assert_eq!(next.join(None), Ok(true));
     let (_, new_server) = q.get_timeout(PATIENCE).unwrap();
     assert_ne!(new_server, server);
-    let wait = rustix::process::waitid(
-        WaitId::PidFd(server_fd.as_fd()),
-        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
-    );
-    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server was not reaped");
+    assert_reaped(&server_fd);
 }
 
 #[test]
@@ -296,11 +295,7 @@ fn pool_after_its_server_is_killed(_rank: usize, _: ()) {
     assert_eq!(pids.len(), 3);
     let servers: Vec<i32> = pids.iter().map(|&p| parent_of(p)).collect();
     assert!(servers.iter().all(|&s| s == servers[0] && s != server), "{servers:?}, old server {server}");
-    let wait = rustix::process::waitid(
-        WaitId::PidFd(server_fd.as_fd()),
-        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
-    );
-    assert!(matches!(wait, Err(rustix::io::Errno::CHILD)), "the dead server is a zombie: {wait:?}");
+    assert_reaped(&server_fd);
 }
 
 #[test]
