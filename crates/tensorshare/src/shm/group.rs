@@ -131,7 +131,7 @@ fn found() -> Result<Group> {
     let cleaner = start(lock.as_fd(), root)?;
     // Groups whose cleaner did not get to clean (it was killed, or died with them: a whole
     // container or cgroup killed at once) are removed by the next group founded on this
-    // directory, by the same test as `shm gc`: no member left.
+    // directory, once no member is left (as `shm gc` removes them).
     sweep_dead_groups(SWEEP_AFTER);
     Ok(Group { root, founder: crate::util::fork::pid(), _lock: lock, cleaner: Some(cleaner) })
 }
@@ -140,8 +140,8 @@ fn found() -> Result<Group> {
 /// else looks at them just now) before a founder removes them.
 const SWEEP_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Removes the files of this user's groups that have no member left (the test `shm gc`
-/// makes: the lock file missing, or free) and whose files are all older than `min_age`.
+/// Removes the files of this user's groups that have no member left (their lock file free:
+/// see `remove_if_dead`) and whose files are all older than `min_age`.
 fn sweep_dead_groups(min_age: std::time::Duration) {
     use std::os::unix::fs::MetadataExt;
     let Ok(dir) = std::fs::read_dir(shm_dir()) else { return };
