@@ -175,10 +175,10 @@ impl Inner {
         Ok(idle.first().copied())
     }
 
-    /// Sends a chunk of `count` items, starting at `first`, to an idle worker. Returns
-    /// false, having sent nothing, when no worker is idle. A worker that turns out to be
-    /// dead (it died since `idle` looked) never got the chunk: it is replaced, and the chunk
-    /// goes to an idle worker again (usually that replacement).
+    /// Sends a chunk of `count` items, starting at `first`, to an idle worker (the caller
+    /// has seen one with `idle`). A worker that turns out to be dead (it died since `idle`
+    /// looked) never got the chunk: it is replaced, and the chunk goes to an idle worker
+    /// again (usually that replacement).
     pub(super) fn send(
         &mut self,
         batch: u64,
@@ -186,10 +186,7 @@ impl Inner {
         count: usize,
         name: &JobName,
         payload: Result<Encoded>,
-    ) -> Result<bool> {
-        if self.idle()?.is_none() {
-            return Ok(false);
-        }
+    ) -> Result<()> {
         let head = wire::encode(&(name, count))?;
         let mut body = Outgoing::new(payload?)?;
         // A bounded number of tries (one more than there are workers): workers that die as
@@ -207,7 +204,7 @@ impl Inner {
             match sent {
                 Ok(()) => {
                     w.task = Some(InFlight { batch, first, count, done: 0 });
-                    return Ok(true);
+                    return Ok(());
                 }
                 Err(Error::Disconnected) => death = Some(self.replace(wi)?),
                 Err(e) => return Err(e),
@@ -232,11 +229,8 @@ impl Inner {
                 }
             }
             let Some(q) = self.queued.pop_front() else { break };
-            match self.send(q.batch, 0, 1, &q.name, Ok(q.payload)) {
-                Ok(true) => {}
-                // Cannot happen: a worker was idle just above, and nothing took it since.
-                Ok(false) => self.fail(q.batch, 0, Error::Disconnected),
-                Err(e) => self.fail(q.batch, 0, e),
+            if let Err(e) = self.send(q.batch, 0, 1, &q.name, Ok(q.payload)) {
+                self.fail(q.batch, 0, e);
             }
         }
     }

@@ -106,16 +106,7 @@ where
             let (first, count) = (self.next_index, chunk.len());
             self.next_index += count;
             let sent = match &self.entry {
-                // Not false: a worker is idle (just above), and nothing took it since.
-                Ok(name) => {
-                    inner.send(self.batch, first, count, name, wire::encode(&chunk)).and_then(|sent| {
-                        if sent {
-                            Ok(())
-                        } else {
-                            Err(Error::Disconnected)
-                        }
-                    })
-                }
+                Ok(name) => inner.send(self.batch, first, count, name, wire::encode(&chunk)),
                 Err(e) => Err(Error::Unsupported(e.clone())),
             };
             match sent {
