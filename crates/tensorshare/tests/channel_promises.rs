@@ -253,12 +253,13 @@ fn len_counts_what_every_process_put_and_took() {
 /// A count left one too high heals the next time the queue is seen empty, so that `while
 /// q.len() > 0` cannot spin for ever. A worker reads one record straight off the queue's
 /// socket, as a consumer killed between taking a record and counting it leaves things.
+/// (Values larger than a lane's cell, so that they travel through the socket.)
 #[test]
 fn a_count_left_too_high_heals_when_the_queue_is_seen_empty() {
-    let q: Queue<u32> = Queue::new().unwrap();
-    q.put(1).unwrap();
-    q.put(2).unwrap();
-    let worker = |_rank, q: Queue<u32>| {
+    let q: Queue<Vec<u8>> = Queue::new().unwrap();
+    q.put(vec![1; 5000]).unwrap();
+    q.put(vec![2; 5000]).unwrap();
+    let worker = |_rank, q: Queue<Vec<u8>>| {
         let mut buf = [0u8; 256];
         let fd = std::os::fd::AsRawFd::as_raw_fd(&q.poll_fd());
         // SAFETY: a valid descriptor and a buffer of the length given, live across the call.
@@ -268,9 +269,9 @@ fn a_count_left_too_high_heals_when_the_queue_is_seen_empty() {
     let mut ctx = spawn(worker, q.clone(), 1).unwrap();
     assert_eq!(ctx.join(None), Ok(true));
     assert_eq!(q.len(), 2, "the count does not know the record went");
-    assert_eq!(q.get().unwrap(), 2);
+    assert_eq!(q.get().unwrap(), vec![2; 5000]);
     assert_eq!((q.len(), q.is_empty()), (0, true), "seen empty: the count starts again");
-    q.put(3).unwrap();
+    q.put(vec![3]).unwrap();
     assert_eq!(q.len(), 1);
 }
 

@@ -22,14 +22,17 @@ pub(crate) struct Awake<'a> {
 }
 
 /// A channel's doorbell, in memory every process holding the channel maps: senders bump
-/// `rung` after each record they write, and say on which CPU they ran. Peers may write
-/// anything here: it only decides when a receiver looks at the socket and whether it
-/// polls awake or sleeps.
+/// `rung` after each record they write, say on which CPU they ran, and wake receivers
+/// asleep on `rung`. Peers may write anything here: it only decides when a receiver looks
+/// at the channel, and whether it polls awake or sleeps (never longer than its slice).
 #[repr(C)]
 pub(crate) struct Bell {
     rung: AtomicU32,
     /// The CPU the last sender ran on (`u32::MAX`: unknown).
     cpu: AtomicU32,
+    /// Receivers asleep on `rung`, as they say (a killed one leaves the count high until a
+    /// wake-up finds nobody).
+    sleepers: AtomicU32,
 }
 
 impl Bell {
@@ -38,10 +41,32 @@ impl Bell {
         self.rung.load(Ordering::Acquire)
     }
 
-    /// Tells receivers polling awake that a record was written.
+    /// Tells receivers polling awake, and one asleep, that a record was written.
     pub(crate) fn ring(&self) {
         self.cpu.store(current_cpu(), Ordering::Relaxed);
-        self.rung.fetch_add(1, Ordering::Release);
+        self.rung.fetch_add(1, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            // Shared (not PRIVATE) futex: the word is in memory other processes map.
+            let woken = rustix::thread::futex::wake(&self.rung, rustix::thread::futex::Flags::empty(), 1);
+            if woken == Ok(0) {
+                // Nobody asleep although the count says so: it is stale (a sleeper was
+                // killed). One that counted itself but is not asleep yet sees `rung` moved
+                // and does not sleep.
+                self.sleepers.store(0, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Sleeps until the bell rings after `rung` was read, or `timeout` passes.
+    pub(super) fn sleep(&self, rung: u32, timeout: Duration) {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let ts = rustix::thread::futex::Timespec {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
+            tv_nsec: timeout.subsec_nanos() as i64,
+        };
+        let _ =
+            rustix::thread::futex::wait(&self.rung, rustix::thread::futex::Flags::empty(), rung, Some(&ts));
+        let _ = self.sleepers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
     }
 
     /// Whether the last sender ran on this CPU: then polling awake would only keep it (if it

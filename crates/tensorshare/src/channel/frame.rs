@@ -27,6 +27,19 @@ const MAX_TABLE: u32 = 1 << 16;
 
 const SPILLED: u8 = 1;
 const SIDE: u8 = 2;
+/// A record that carries no message, only readiness: written into a queue's socket after a
+/// lane message when someone waits on the socket (see `queue_lane`). Receivers drop it.
+const NUDGE: u8 = 4;
+
+/// Writes a nudge into `fd`, without waiting (a full socket is readable already).
+pub(crate) fn nudge(fd: BorrowedFd<'_>) {
+    let _ = socket::send_record(fd, [&[NUDGE], &[]], &[]);
+}
+
+/// Whether `record` is a nudge.
+pub(crate) fn is_nudge(record: &Record) -> bool {
+    record.bytes == [NUDGE] && record.fds.is_empty()
+}
 
 pub use crate::shm::sealed::MAX_MESSAGE_ENV;
 

@@ -6,10 +6,12 @@ mod control;
 mod err;
 mod fd;
 mod frame;
+mod lane;
 mod outbox;
 mod pipe;
 mod queue;
 mod queue_core;
+mod queue_lane;
 pub(crate) mod socket;
 
 pub use err::SendError;
@@ -23,4 +25,10 @@ pub use queue::{Queue, SimpleQueue};
 /// worker does not keep (see `process::fork`); a queue it receives is then its own.
 pub(crate) fn forget_after_fork() {
     queue_core::forget_registry();
+}
+
+/// Ends the current window of every idle lane of this process's queues, so that what those
+/// windows hold is given back now rather than at the next quiet wait (see `lane`).
+pub(crate) fn close_idle_lanes() {
+    queue_core::close_idle_lanes();
 }

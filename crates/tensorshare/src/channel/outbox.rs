@@ -12,7 +12,8 @@
 //! A forked child does not own its parent's outbox: it writes directly and never waits.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -27,6 +28,9 @@ use crate::{Error, Result};
 
 /// Whether a reader of the queue can still exist.
 pub(crate) type Alive = Arc<dyn Fn() -> bool + Send + Sync>;
+/// Whether a record may be written now: false while lane messages it must not overtake
+/// are still waiting to be taken (see `queue_lane`).
+pub(crate) type Gate = Arc<dyn Fn() -> bool + Send + Sync>;
 
 pub(crate) struct Outbox {
     /// The process whose outbox this is.
@@ -35,17 +39,23 @@ pub(crate) struct Outbox {
     control: Arc<Control>,
     state: Mutex<State>,
     written: Condvar,
+    /// Records of this process may still wait in the socket: set after each write, and
+    /// cleared by `in_socket` once the socket is seen empty.
+    in_socket: AtomicBool,
+    looking: Mutex<()>,
 }
 
 #[derive(Default)]
 struct State {
-    records: VecDeque<Outgoing>,
+    records: VecDeque<(Outgoing, Option<Gate>)>,
     /// A feeder thread runs (it may hold the front record outside the lock).
     feeding: bool,
     /// The feeder holds a record it has not written yet.
     in_hand: bool,
     /// Why the feeder gave up: every record since is refused with it.
     failed: Option<FeedError>,
+    /// The last handle went with nobody left to read: the feeder drops what it holds.
+    abandoned: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -58,7 +68,14 @@ enum FeedError {
 
 impl Outbox {
     pub(crate) fn new(control: Arc<Control>) -> Outbox {
-        Outbox { pid: getpid(), control, state: Mutex::new(State::default()), written: Condvar::new() }
+        Outbox {
+            pid: getpid(),
+            control,
+            state: Mutex::new(State::default()),
+            written: Condvar::new(),
+            in_socket: AtomicBool::new(false),
+            looking: Mutex::new(()),
+        }
     }
 
     fn own(&self) -> bool {
@@ -75,6 +92,29 @@ impl Outbox {
             let st = self.state();
             st.feeding || !st.records.is_empty()
         }
+    }
+
+    /// Whether a record this process wrote may still wait in the socket whose reading end is
+    /// `rx` (looked at only if it wrote one since the socket was last seen empty).
+    pub(crate) fn in_socket(&self, rx: BorrowedFd<'_>) -> bool {
+        // One look at a time: while one thread has cleared the flag to look, another must
+        // not take it for an answer.
+        let _one = lock(&self.looking);
+        // Cleared before the look: a record written after the look sets it again.
+        if !self.in_socket.swap(false, Ordering::SeqCst) {
+            return false;
+        }
+        let waiting = socket::wait(rx, PollFlags::IN, Duration::ZERO).unwrap_or(true);
+        if waiting {
+            self.in_socket.store(true, Ordering::SeqCst);
+        }
+        waiting
+    }
+
+    /// A record is in the socket now.
+    fn wrote(&self) {
+        self.in_socket.store(true, Ordering::SeqCst);
+        self.control.ring();
     }
 
     /// How many records of this process wait to be written.
@@ -97,11 +137,16 @@ impl Outbox {
         tx: &Arc<OwnedFd>,
         mut out: Outgoing,
         alive: impl FnOnce() -> Alive,
+        gate: Option<Gate>,
     ) -> Result<()> {
         if !self.own() {
             // A forked child: its parent's feeder is not here. Write directly, waiting.
-            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive())?;
-            self.control.ring();
+            let alive = alive();
+            if !wait_for(gate.as_ref(), &*alive, &|| false) {
+                return Err(Error::Disconnected);
+            }
+            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive)?;
+            self.wrote();
             return Ok(());
         }
         let mut st = self.state();
@@ -109,12 +154,12 @@ impl Outbox {
             Some(FeedError::Disconnected) => return Err(Error::Disconnected),
             Some(FeedError::NoThread) | None => {}
         }
-        if st.records.is_empty() && !st.feeding {
+        if st.records.is_empty() && !st.feeding && gate.as_ref().is_none_or(|g| g()) {
             loop {
                 match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
                     Ok(()) => {
+                        self.wrote();
                         drop(st);
-                        self.control.ring();
                         return Ok(());
                     }
                     Err(Errno::AGAIN) => break,
@@ -126,7 +171,7 @@ impl Outbox {
                 }
             }
         }
-        st.records.push_back(out);
+        st.records.push_back((out, gate));
         if !st.feeding {
             let (me, tx, alive) = (self.clone(), tx.clone(), alive());
             let spawned = std::thread::Builder::new()
@@ -155,7 +200,7 @@ impl Outbox {
                 st.in_hand = out.is_some();
                 out
             };
-            let Some(mut out) = popped else {
+            let Some((mut out, gate)) = popped else {
                 let mut st = self.state();
                 if st.records.is_empty() {
                     st.feeding = false;
@@ -164,29 +209,31 @@ impl Outbox {
                 }
                 continue;
             };
-            let sent = loop {
-                match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
-                    Ok(()) => {
-                        // Counted (by the ring) before it stops counting as in hand.
-                        self.control.ring();
-                        self.state().in_hand = false;
-                        break true;
-                    }
-                    Err(Errno::AGAIN) => {}
-                    Err(Errno::MSGSIZE) if !out.is_spilled() => {
-                        if out.spill().is_err() {
-                            break false;
+            let abandoned = || self.state().abandoned;
+            let sent = wait_for(gate.as_ref(), alive, &abandoned)
+                && loop {
+                    match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
+                        Ok(()) => {
+                            // Counted (by the ring) before it stops counting as in hand.
+                            self.wrote();
+                            self.state().in_hand = false;
+                            break true;
                         }
-                        continue;
+                        Err(Errno::AGAIN) => {}
+                        Err(Errno::MSGSIZE) if !out.is_spilled() => {
+                            if out.spill().is_err() {
+                                break false;
+                            }
+                            continue;
+                        }
+                        Err(_) => break false,
                     }
-                    Err(_) => break false,
-                }
-                let ready =
-                    socket::wait(tx.as_fd(), PollFlags::OUT, Duration::from_millis(50)).unwrap_or(false);
-                if !ready && !alive() {
-                    break false;
-                }
-            };
+                    let ready =
+                        socket::wait(tx.as_fd(), PollFlags::OUT, Duration::from_millis(50)).unwrap_or(false);
+                    if !ready && (abandoned() || !alive()) {
+                        break false;
+                    }
+                };
             if !sent {
                 let mut st = self.state();
                 st.in_hand = false;
@@ -212,7 +259,21 @@ impl Outbox {
                 break; // records with no feeder (it could not start): nothing will write them
             }
             if !control.others_alive() {
+                // Nobody can read them: they go, and so does what the feeder holds (a record
+                // waiting for room or for its gate keeps its descriptors, and the queue's
+                // socket, open), before this handle is gone.
                 st.records.clear();
+                st.abandoned = true;
+                for _ in 0..40 {
+                    if !st.feeding {
+                        break;
+                    }
+                    st = self
+                        .written
+                        .wait_timeout(st, Duration::from_millis(50))
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
                 break;
             }
             st = self
@@ -222,6 +283,35 @@ impl Outbox {
                 .unwrap_or_else(|p| p.into_inner().0);
         }
     }
+}
+
+/// Waits until `gate` (if any) opens; false if no reader is left meanwhile. The lane
+/// messages it waits for are taken within microseconds by a consumer at work, so it looks
+/// often at first, then less and less.
+///
+/// `abandoned`: the queue's last handle is gone with nobody left to read (asked each nap).
+fn wait_for(
+    gate: Option<&Gate>,
+    alive: &(dyn Fn() -> bool + Send + Sync),
+    abandoned: &dyn Fn() -> bool,
+) -> bool {
+    let Some(gate) = gate else { return true };
+    let mut nap = Duration::from_micros(20);
+    let mut next_check = std::time::Instant::now() + Duration::from_millis(50);
+    while !gate() {
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(5));
+        if abandoned() {
+            return false;
+        }
+        if std::time::Instant::now() >= next_check {
+            if !alive() {
+                return false;
+            }
+            next_check = std::time::Instant::now() + Duration::from_millis(50);
+        }
+    }
+    true
 }
 
 fn getpid() -> i32 {

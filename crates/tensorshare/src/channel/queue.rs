@@ -116,10 +116,14 @@ macro_rules! queue_type {
             /// A descriptor to wait on with `poll` or `epoll` (for an event loop, or
             /// Python's `multiprocessing.connection.wait`): it becomes readable when a
             /// value may be waiting; a wake-up can be spurious, so follow it with
-            /// [`try_get`](Self::try_get). Only wait on it: reading from it takes records out
+            /// [`try_get`](Self::try_get). From the first call on, the queue's values travel
+            /// through this socket, not the lane (see the README, "How it works"); until a
+            /// consumer looks, `is_empty` may then count a wake-up as a value. Only wait on
+            /// it: reading from it takes records out
             /// from under the queue (memory stays safe, the descriptors such a record
             /// carries are closed and give back what they held, but the values are lost).
             pub fn poll_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+                self.core.watch_socket();
                 self.core.rx.as_fd()
             }
         }

@@ -13,6 +13,7 @@ use super::control::Control;
 use super::err::SendError;
 use super::frame::{self, Outgoing};
 use super::outbox::Outbox;
+use super::queue_lane::LaneLocal;
 use super::socket::{self, Deadline};
 use crate::util::lock;
 use crate::wire::{self, FdSource};
@@ -21,17 +22,20 @@ use crate::{Error, Result};
 /// The process-wide state of one queue: its two socket ends, its control block and this
 /// process's outbox. Every handle of the queue in this process shares it.
 pub(crate) struct Core {
-    /// Producers write here.
-    tx: Arc<OwnedFd>,
+    /// Producers write here (its own receive queue is the lane's directory).
+    pub(super) tx: Arc<OwnedFd>,
     /// Consumers read here.
     pub(super) rx: Arc<OwnedFd>,
     pub(super) control: Arc<Control>,
     pub(super) outbox: Arc<Outbox>,
+    pub(super) lane: Mutex<LaneLocal>,
 }
 
 impl Drop for Core {
     fn drop(&mut self) {
         self.outbox.flush_at_drop();
+        // What the lane's last window holds need not wait for more traffic.
+        self.close_idle_window();
     }
 }
 
@@ -43,6 +47,14 @@ fn registry() -> &'static Registry {
         crate::util::fork::guard(|out| out.push(Box::new(lock(registry()))));
         Mutex::default()
     })
+}
+
+/// See `channel::close_idle_lanes`.
+pub(crate) fn close_idle_lanes() {
+    let cores: Vec<Arc<Core>> = lock(registry()).values().filter_map(Weak::upgrade).collect();
+    for core in cores {
+        core.close_idle_window();
+    }
 }
 
 /// Drops this process's record of which queues it has (see `channel::forget_after_fork`).
@@ -61,6 +73,7 @@ impl Core {
             rx: Arc::new(rx),
             outbox: Arc::new(Outbox::new(control.clone())),
             control,
+            lane: Mutex::default(),
         });
         let mut reg = lock(registry());
         reg.retain(|_, w| w.strong_count() > 0);
@@ -90,6 +103,7 @@ impl Core {
             rx: Arc::new(rx),
             outbox: Arc::new(Outbox::new(control.clone())),
             control,
+            lane: Mutex::default(),
         });
         reg.insert(id, Arc::downgrade(&core));
         Ok(core)
@@ -98,7 +112,7 @@ impl Core {
     /// Whether anyone but the caller's handle could still put or get: another handle in
     /// this process, another process holding the queue, or this process's own records
     /// still on their way out.
-    fn others(self: &Arc<Core>) -> bool {
+    pub(super) fn others(self: &Arc<Core>) -> bool {
         Arc::strong_count(self) > 1 || self.control.others_alive() || self.outbox.pending()
     }
 
@@ -111,7 +125,7 @@ impl Core {
     }
 
     fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
-        let msg = wire::encode(value)?;
+        let msg = wire::encode_for_lane(value, super::lane::CELL_BYTES)?;
         if deadline.slice().is_none() && self.control.is_full() {
             // `try_put` on a full queue: no place now, so no framing (a large message would
             // be written into a memfd only to be dropped).
@@ -119,8 +133,12 @@ impl Core {
         }
         // Framed before a place is taken: a large message is written into a memfd here,
         // which takes a while, and a place held that long with nothing in the socket would
-        // look lost to a producer waiting for one (see `restore_places`).
-        let out = Outgoing::new(msg)?;
+        // look lost to a producer waiting for one (see `restore_places`). A message for the
+        // lane is small: framed only if the lane cannot take it.
+        let (lane_msg, out) = match self.lane_may_take(&msg) {
+            true => (Some(msg), None),
+            false => (None, Some(Outgoing::new(msg)?)),
+        };
         // A free place (an unbounded queue always has one): no syscall.
         let mut placed = self.control.try_acquire();
         // Whether the queue was empty when the current wait began; asked only once a wait
@@ -145,11 +163,18 @@ impl Core {
             self.control.restore_places(empty_before && empty);
             empty_before = empty;
         }
+        let out = match (lane_msg, out) {
+            (Some(msg), _) if self.lane_put(&msg) => return Ok(()),
+            (Some(msg), _) => Outgoing::new(msg).inspect_err(|_| self.control.release())?,
+            (None, Some(out)) => out,
+            (None, None) => unreachable!("a message is framed or kept for the lane"),
+        };
         let alive = || -> super::outbox::Alive {
             let (core, control) = (Arc::downgrade(self), self.control.clone());
             Arc::new(move || core.strong_count() > 0 || control.others_alive())
         };
-        self.outbox.put(&self.tx, out, alive).inspect_err(|_| self.control.release())
+        let gate = self.socket_gate();
+        self.outbox.put(&self.tx, out, alive, gate).inspect_err(|_| self.control.release())
     }
 
     /// About how many values wait: see `Queue::len`.
@@ -157,39 +182,17 @@ impl Core {
         self.control.queued(|| self.drained()) + self.outbox.waiting()
     }
 
-    /// Whether no record waits in the queue's socket and none of this process's is on its
-    /// way out.
+    /// Whether no message waits in the queue's lane or socket and none of this process's
+    /// is on its way out.
     pub(super) fn drained(&self) -> bool {
         let socket_empty =
             !socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true);
-        socket_empty && !self.outbox.pending()
-    }
-
-    pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
-        let record =
-            socket::recv_taken(self.rx.as_fd(), deadline, &|| self.others(), Some(self.control.awake()))?;
-        self.take(record)
-    }
-
-    pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
-        let record = match socket::try_recv(self.rx.as_fd())? {
-            socket::Received::Record(r) => Ok(r),
-            socket::Received::Bad(e) => Err(e),
-            socket::Received::Closed => return Err(Error::Disconnected),
-            socket::Received::Empty if self.others() => return Ok(None),
-            // Alone: nothing more can come, but a record may have arrived just now.
-            socket::Received::Empty => match socket::try_recv(self.rx.as_fd())? {
-                socket::Received::Record(r) => Ok(r),
-                socket::Received::Bad(e) => Err(e),
-                _ => return Err(Error::Disconnected),
-            },
-        };
-        self.take(record).map(Some)
+        socket_empty && !self.outbox.pending() && self.control.lane().is_empty()
     }
 
     /// A record taken off the queue, good or not: its place is free again, and it becomes
     /// a value (or an error, having closed what it carried).
-    fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
+    pub(super) fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
         self.control.count_taken();
         self.control.release();
         frame::decode(record?, true)

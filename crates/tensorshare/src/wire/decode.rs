@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 use super::header::{self, SegmentDesc, StorageDesc};
 use super::{cache, DECODING};
 use crate::arena::{Arena, Slot};
-use crate::shm::Segment;
+use crate::shm::{FileId, Segment};
 use crate::storage::Shared;
 use crate::{Error, Result, Storage};
 
@@ -51,6 +51,22 @@ pub(crate) fn decode_storage(index: u32) -> Result<Storage> {
 /// longer needs close then too (see `arena::borrow`): a value passed straight on costs no
 /// lock. Without, this process takes its own holds now.
 pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>, borrow: bool) -> Result<T> {
+    decode_from(message, fds, borrow, None)
+}
+
+/// A message taken from a queue's lane back into a value: it carries no descriptor, and
+/// names each arena by identity, which must be one `lane` knows or finds in the queue's
+/// directory. This process takes its own holds at once.
+pub(crate) fn decode_lane<T: DeserializeOwned>(message: &[u8], lane: &dyn super::LaneArenas) -> Result<T> {
+    decode_from(message, Vec::new(), false, Some(lane))
+}
+
+fn decode_from<T: DeserializeOwned>(
+    message: &[u8],
+    fds: Vec<OwnedFd>,
+    borrow: bool,
+    lane: Option<&dyn super::LaneArenas>,
+) -> Result<T> {
     // What earlier messages borrowed is settled before this one borrows.
     crate::arena::settle();
     let (header, body) = header::parse(message)?;
@@ -67,12 +83,20 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>, bor
     let mut carried = Vec::with_capacity(header.segments.len());
     let mut arenas = Vec::with_capacity(header.segments.len());
     for d in &header.segments {
-        let fd = fds
-            .get_mut(d.fd as usize)
-            .and_then(Option::take)
-            .ok_or_else(|| Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd)))?;
-        arenas.push(resolve_arena(d, fd.as_fd())?);
-        carried.push(Arc::new(fd));
+        match (d.id, lane) {
+            (None, None) => {
+                let fd = fds.get_mut(d.fd as usize).and_then(Option::take).ok_or_else(|| {
+                    Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd))
+                })?;
+                arenas.push(resolve_arena(d, fd.as_fd(), None)?);
+                carried.push(Arc::new(fd));
+            }
+            (Some(id), Some(lane)) => arenas.push(lane_arena(d, id, lane)?),
+            (Some(_), None) => {
+                return Err(Error::invalid("a segment named by identity outside a queue's lane"))
+            }
+            (None, Some(_)) => return Err(Error::invalid("a lane message with a segment descriptor")),
+        }
     }
     let storages = resolve_storages(&header.storages, &arenas, &carried, borrow, &mut fds)?;
     for fd in carried {
@@ -97,8 +121,17 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>, bor
 /// The arena a received descriptor refers to: this process's own mapping of it if it has
 /// one (found by the identity the kernel reports for the descriptor, never by a claim of
 /// the message), else a new mapping through a description of this process's own.
-fn resolve_arena(d: &SegmentDesc, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc<Arena>> {
+///
+/// `named`: the identity a lane message named the arena by, which the descriptor must have.
+fn resolve_arena(
+    d: &SegmentDesc,
+    fd: std::os::fd::BorrowedFd<'_>,
+    named: Option<FileId>,
+) -> Result<Arc<Arena>> {
     let id = crate::shm::file_id(fd)?;
+    if named.is_some_and(|n| n != id) {
+        return Err(Error::invalid("a lane's arena descriptor is not the arena the message names"));
+    }
     if let Some(a) = cache::cache().arena(id) {
         return Ok(a);
     }
@@ -113,6 +146,19 @@ fn resolve_arena(d: &SegmentDesc, fd: std::os::fd::BorrowedFd<'_>) -> Result<Arc
     let arena = Arc::new(Arena::open(seg)?);
     cache::cache().insert_arena(&arena);
     Ok(arena)
+}
+
+/// An arena a lane message names by `id`: this process's mapping of it if the queue has
+/// shown it this arena before, else one through a descriptor from the queue's directory.
+/// Never an arena this process has from elsewhere only: a peer cannot name into those.
+fn lane_arena(d: &SegmentDesc, id: FileId, lane: &dyn super::LaneArenas) -> Result<Arc<Arena>> {
+    if lane.known(id) {
+        if let Some(a) = cache::cache().arena(id) {
+            return Ok(a);
+        }
+    }
+    let fd = lane.fetch(id)?;
+    resolve_arena(d, fd.as_fd(), Some(id))
 }
 
 /// Resolves every storage of the table: the storage this process already has for a slot,
@@ -166,12 +212,13 @@ fn resolve_storages(
             out[i] = Some(resolve_device(d, fds, &mut events)?);
         }
     }
-    for ((arena, pending), via) in arenas.iter().zip(new).zip(carried) {
+    for (i, (arena, pending)) in arenas.iter().zip(new).enumerate() {
         if pending.is_empty() {
             continue;
         }
         let slots: Vec<u32> = pending.iter().map(|(s, _, _)| *s).collect();
-        let handles = Slot::hold(arena, &slots, borrow.then_some(via))?;
+        let via = carried.get(i).filter(|_| borrow);
+        let handles = Slot::hold(arena, &slots, via)?;
         let mut cache = cache::cache();
         for (handle, (slot, len, at)) in handles.into_iter().zip(pending) {
             let storage = Storage::from_shared(len, Shared::Slot(handle));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::header::{self, Header, SegmentDesc, StorageDesc};
-use super::{cache, Encoded, FdSource, ENCODING};
+use super::{cache, Encoded, FdSource, LaneArena, LaneForm, ENCODING};
 use crate::arena::Arena;
 use crate::storage::Shared;
 use crate::{Error, Result, Storage};
@@ -32,6 +32,17 @@ pub(super) struct EncodeCtx {
 /// storage is moved into shared memory first, in place, for all of its handles (as torch
 /// does), so that the sender and the receiver see the same bytes.
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
+    encode_with(value, None)
+}
+
+/// As [`encode`], and also in the form of a queue's lane (see [`LaneForm`]) when the
+/// message fits one: at most `lane_max` bytes, and no descriptor but the send descriptions
+/// of arenas of size classes.
+pub(crate) fn encode_for_lane<T: Serialize + ?Sized>(value: &T, lane_max: usize) -> Result<Encoded> {
+    encode_with(value, Some(lane_max))
+}
+
+fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Result<Encoded> {
     struct Reset;
     impl Drop for Reset {
         fn drop(&mut self) {
@@ -50,19 +61,63 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     drop(reset);
     let mut ctx = ctx.ok_or_else(|| Error::Serialize("the message's encoding context vanished".into()))?;
     let payload = payload?;
+    // Only arenas' descriptors, none of them a large storage's (which the lane's windows
+    // would keep alive far longer than a message does).
+    let mut lane_ok = lane_max.is_some()
+        && ctx.fds.is_empty()
+        && ctx.segments.iter().all(|(a, _)| !a.is_large())
+        && ctx.storages.iter().all(|s| !matches!(s, StorageDesc::Device(_)));
     // The arenas' descriptors last: each is a send description with the message's slots
     // locked on it, taken only now that the whole value is known.
     let mut segments = Vec::with_capacity(ctx.segments.len());
+    let mut lane_arenas = Vec::new();
     for (arena, slots) in std::mem::take(&mut ctx.segments) {
         let fd = arena.send_hold(&slots)?;
         let name = arena.segment().name().map(str::to_owned);
-        segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name });
+        if lane_ok {
+            lane_ok = name.as_ref().is_none_or(|n| n.len() <= 255);
+            let id = arena.segment().file_id();
+            lane_arenas.push(LaneArena { desc: fd.clone(), id, name: name.clone() });
+        }
+        segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
     }
     let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
-    let header = Header { nfds, segments, storages: ctx.storages };
+    let mut header = Header { nfds, segments, storages: ctx.storages };
+    let lane = match lane_max {
+        Some(max) if lane_ok => lane_form(&mut header, &payload, lane_arenas, max)?,
+        _ => None,
+    };
     let mut bytes = header::frame(&header, payload.len())?;
     bytes.extend_from_slice(&payload);
-    Ok(Encoded { bytes, fds: ctx.fds })
+    Ok(Encoded { bytes, fds: ctx.fds, lane })
+}
+
+/// The message with its arenas named by identity and no descriptor, if it fits `max`.
+/// Leaves `header` as it was.
+fn lane_form(
+    header: &mut Header,
+    payload: &[u8],
+    arenas: Vec<LaneArena>,
+    max: usize,
+) -> Result<Option<LaneForm>> {
+    let nfds = std::mem::replace(&mut header.nfds, 0);
+    let fds: Vec<u32> = header.segments.iter().map(|s| s.fd).collect();
+    for (s, a) in header.segments.iter_mut().zip(&arenas) {
+        s.fd = 0;
+        s.id = Some(a.id);
+    }
+    let framed = header::frame(header, payload.len());
+    header.nfds = nfds;
+    for (s, fd) in header.segments.iter_mut().zip(fds) {
+        s.fd = fd;
+        s.id = None;
+    }
+    let mut bytes = framed?;
+    if bytes.len() + payload.len() > max {
+        return Ok(None);
+    }
+    bytes.extend_from_slice(payload);
+    Ok(Some(LaneForm { bytes, arenas }))
 }
 
 /// Adds a descriptor to the message being encoded; returns its index.

@@ -19,10 +19,14 @@ pub(super) struct Header {
 /// receiver has taken its own. The receiver identifies the arena by that descriptor alone.
 #[derive(Serialize, Deserialize, Debug)]
 pub(super) struct SegmentDesc {
-    /// Index of the descriptor.
+    /// Index of the descriptor (0 and unused in a lane message).
     pub(super) fd: u32,
     /// For a named (file_system) segment, its file name; checked against the descriptor.
     pub(super) name: Option<String>,
+    /// In a message that travels in a queue's lane, with no descriptor: the arena's
+    /// identity (device, inode), which the receiver looks up among the arenas parked in
+    /// that queue's directory (see `channel::lane`). None in every other message.
+    pub(super) id: Option<(u64, u64)>,
 }
 
 #[derive(Serialize, Deserialize, Debug)]

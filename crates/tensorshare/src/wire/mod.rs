@@ -27,8 +27,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 pub(crate) use cache::release_cached_mappings;
-pub(crate) use decode::{decode, decode_fd};
-pub(crate) use encode::{encode, encode_fd};
+pub(crate) use decode::{decode, decode_fd, decode_lane};
+pub(crate) use encode::{encode, encode_fd, encode_for_lane};
 
 /// Something whose descriptor a message carries; kept alive until the message is sent.
 pub(crate) enum FdSource {
@@ -85,6 +85,32 @@ fn forget_reason() {
 pub(crate) struct Encoded {
     pub(crate) bytes: Vec<u8>,
     pub(crate) fds: Vec<FdSource>,
+    /// The same message in a queue lane's form, when asked for and it fits one.
+    pub(crate) lane: Option<LaneForm>,
+}
+
+/// A message for a queue's lane (see `channel::lane`): its bytes name every arena by its
+/// identity and carry no descriptor; what holds its slots is each arena's send
+/// description (the same as in the descriptor form), which the lane parks.
+pub(crate) struct LaneForm {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) arenas: Vec<LaneArena>,
+}
+
+/// An arena a lane message names: the send description its slots are locked on, its
+/// identity and, for a named segment, its name.
+pub(crate) struct LaneArena {
+    pub(crate) desc: Arc<OwnedFd>,
+    pub(crate) id: crate::shm::FileId,
+    pub(crate) name: Option<String>,
+}
+
+/// How a lane message's receiver reaches the arenas it names: those the queue's directory
+/// has shown it (`known`), and a descriptor of one from there (`fetch`, which checks that
+/// the descriptor is that arena).
+pub(crate) trait LaneArenas {
+    fn known(&self, id: crate::shm::FileId) -> bool;
+    fn fetch(&self, id: crate::shm::FileId) -> crate::Result<OwnedFd>;
 }
 
 impl Encoded {

@@ -14,24 +14,29 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
+use super::lane::Ring;
 use super::socket::Bell;
 use crate::shm::{Segment, SegmentId};
 use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
-const LEN: usize = 4096;
+mod places;
+
+/// The counters' page, then the lane's cells (see `lane`).
+const LEN: usize = super::lane::RING_AT + super::lane::RING_LEN;
 /// `permits` value of a queue without a capacity.
-const UNBOUNDED: u32 = u32::MAX;
+pub(super) const UNBOUNDED: u32 = u32::MAX;
 
 /// What a control block holds in its last 8 bytes, written once by its creator: a received
 /// memfd without it (an arena, say) is not taken for a queue.
-const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE2");
-const MAGIC_AT: usize = LEN - 8;
+const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE3");
+const MAGIC_AT: usize = super::lane::RING_AT - 8;
+/// The byte whose OFD write lock is the lane directory's lock (byte 0 holds the queue).
+const DIRECTORY_LOCK: i64 = 1;
 
 #[repr(C)]
-struct Counters {
+pub(super) struct Counters {
     /// Free places in the queue (UNBOUNDED: no limit).
     permits: AtomicU32,
     /// Producers asleep on `permits`.
@@ -41,6 +46,9 @@ struct Counters {
     /// Values put and not yet taken, as producers and consumers say: only for `len`, which
     /// is an estimate (see `Queue::len`); nothing else reads it.
     queued: AtomicU32,
+    /// Set once a process asked for the queue's descriptor to wait on (`Queue::poll_fd`):
+    /// lane messages then nudge the socket too (see `queue_lane`).
+    polled: AtomicU32,
     /// On a cache line of its own: bumped after every record written to the queue, for
     /// receivers polling awake to watch (see `socket::recv_taken`).
     bell: BellLine,
@@ -49,10 +57,10 @@ struct Counters {
 #[repr(C, align(64))]
 struct BellLine(Bell);
 
-const _: () = assert!(std::mem::size_of::<Counters>() <= MAGIC_AT);
+const _: () = assert!(std::mem::size_of::<Counters>() <= super::lane::ENDS_AT);
 
 pub(crate) struct Control {
-    /// A one-page memfd that every holder of the queue maps.
+    /// The memfd that every holder of the queue maps: counters, then the lane.
     seg: Arc<Segment>,
     /// This process's hold: (pid, a read-locked description of its own). A forked child
     /// shares its parent's description, and replaces it with one of its own.
@@ -68,6 +76,8 @@ impl Control {
         // SAFETY: the segment is LEN bytes, page-aligned (so the word is aligned), and no
         // other process or handle has seen it yet: this plain write races with nothing.
         unsafe { seg.as_mut_ptr().add(MAGIC_AT).cast::<u64>().write(MAGIC) };
+        // SAFETY: the segment is a control block's size, page-aligned.
+        unsafe { Ring::new(&seg) }.init();
         let hold = Mutex::new((getpid(), locked_description(&seg)?));
         let c = Control { seg: Arc::new(seg), hold, patience: Default::default() };
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
@@ -110,7 +120,7 @@ impl Control {
         Ok(h)
     }
 
-    fn counters(&self) -> &Counters {
+    pub(super) fn counters(&self) -> &Counters {
         // SAFETY: the segment is at least LEN bytes (Segment checks what it maps), and
         // Counters fits before the magic word (asserted at compile time below); the mapping
         // is page-aligned (more than Counters' 64), lives as long as self, and Counters is
@@ -144,29 +154,23 @@ impl Control {
         r != 0 || fl.l_type != libc::F_UNLCK as i16
     }
 
-    /// Gives every place back when the queue is empty and none is free: a consumer killed
-    /// between taking a record and giving its place back cannot lose that place for good.
-    /// `empty` says whether the queue's socket holds no record; it must have said so at the
-    /// start of the wait that found no place as well (the caller waited a whole slice).
-    ///
-    /// A live process holds a place without a record in the socket only for the few
-    /// instructions between taking it and writing its record (the record is framed, and a
-    /// large one spilled, before the place is taken), or between taking a record and giving
-    /// its place back; one stopped there for two whole slices (a debugger, SIGSTOP) is taken
-    /// for dead, and the queue then admits up to its capacity more.
-    pub(crate) fn restore_places(&self, empty: bool) {
-        let b = self.counters();
-        let cap = b.capacity.load(Ordering::Relaxed);
-        if empty
-            && cap != UNBOUNDED
-            && b.permits.compare_exchange(0, cap, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-        {
-            let _ = rustix::thread::futex::wake(
-                &b.permits,
-                rustix::thread::futex::Flags::empty(),
-                i32::MAX as u32,
-            );
-        }
+    /// The queue's lane.
+    pub(crate) fn lane(&self) -> Ring<'_> {
+        // SAFETY: `create` and `open` made sure the mapping is a control block's size, and
+        // it is page-aligned.
+        unsafe { Ring::new(&self.seg) }
+    }
+
+    /// Runs `f` holding the lane directory's lock: other threads of this process wait on
+    /// this process's hold, other processes on an OFD write lock of the hold's description,
+    /// which the kernel drops if this process dies meanwhile.
+    pub(crate) fn with_directory<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let h = self.held()?;
+        let fd = h.1.as_raw_fd();
+        ofd_lock_at(fd, DIRECTORY_LOCK, libc::F_WRLCK as i16, libc::F_OFD_SETLKW)?;
+        let r = f();
+        let _ = ofd_lock_at(fd, DIRECTORY_LOCK, libc::F_UNLCK as i16, libc::F_OFD_SETLK);
+        Ok(r)
     }
 
     /// The doorbell senders ring after each record and receivers watch while they poll.
@@ -179,22 +183,27 @@ impl Control {
         super::socket::Awake { bell: self.bell(), patience: &self.patience }
     }
 
-    /// A record was written to the queue's socket: it counts (see `queued`), and receivers
-    /// polling awake are told.
+    /// A record was written to the queue's socket or a message published in its lane: it
+    /// counts (see `queued`), and receivers polling awake or asleep are told.
     pub(crate) fn ring(&self) {
         self.counters().queued.fetch_add(1, Ordering::Relaxed);
         self.bell().ring();
+    }
+
+    /// Says that a process waits on the queue's socket for values (see `polled`).
+    pub(crate) fn set_polled(&self) {
+        self.counters().polled.store(1, Ordering::SeqCst);
+    }
+
+    /// Whether a process may wait on the queue's socket for values.
+    pub(crate) fn polled(&self) -> bool {
+        self.counters().polled.load(Ordering::SeqCst) != 0
     }
 
     /// The queue's capacity, `None` if it has none.
     pub(crate) fn capacity(&self) -> Option<usize> {
         let c = self.counters().capacity.load(Ordering::Relaxed);
         (c != UNBOUNDED).then_some(c as usize)
-    }
-
-    /// Whether a bounded queue has no free place now (a `put` would wait).
-    pub(crate) fn is_full(&self) -> bool {
-        self.counters().permits.load(Ordering::Relaxed) == 0
     }
 
     /// A record was taken off the queue's socket: the count goes down, never below zero.
@@ -217,114 +226,28 @@ impl Control {
         }
         q.load(Ordering::Relaxed) as usize
     }
-
-    /// Takes a place if one is free now (never waits).
-    pub(crate) fn try_acquire(&self) -> bool {
-        let b = self.counters();
-        let mut p = b.permits.load(Ordering::Acquire);
-        loop {
-            if p == UNBOUNDED {
-                return true;
-            }
-            if p == 0 {
-                return false;
-            }
-            match b.permits.compare_exchange_weak(p, p - 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return true,
-                Err(now) => p = now,
-            }
-        }
-    }
-
-    /// Takes a place in the queue, waiting up to `slice` for one. Returns whether it got one.
-    pub(crate) fn acquire(&self, slice: Duration) -> bool {
-        let b = self.counters();
-        let mut p = b.permits.load(Ordering::Acquire);
-        if p == 0 {
-            // Time to do what is better done while waiting (see `arena::idle`).
-            crate::arena::idle();
-            p = b.permits.load(Ordering::Acquire);
-        }
-        // A consumer usually frees a place within microseconds: wait for it awake first, as
-        // a sleep and a wake-up cost more than that; but no longer than the caller waits at
-        // all (`try_put` does not wait).
-        let spin_until = std::time::Instant::now() + super::socket::SPIN.min(slice);
-        'spin: while p == 0 && std::time::Instant::now() < spin_until {
-            // Reading the clock costs more than a look at the word: look a few times per
-            // reading.
-            for _ in 0..32 {
-                std::hint::spin_loop();
-                p = b.permits.load(Ordering::Acquire);
-                if p != 0 {
-                    break 'spin;
-                }
-            }
-        }
-        loop {
-            if p == UNBOUNDED {
-                return true;
-            }
-            if p == 0 {
-                if slice.is_zero() {
-                    return false; // `try_put`: no sleep, and no waiter for a release to wake
-                }
-                b.waiters.fetch_add(1, Ordering::SeqCst);
-                let ts = rustix::thread::futex::Timespec {
-                    tv_sec: slice.as_secs() as i64,
-                    tv_nsec: slice.subsec_nanos() as i64,
-                };
-                // Shared (not PRIVATE) futex: the word is in memory other processes map.
-                let _ = rustix::thread::futex::wait(
-                    &b.permits,
-                    rustix::thread::futex::Flags::empty(),
-                    0,
-                    Some(&ts),
-                );
-                // Saturating: a release may have reset the count meanwhile (see `release`).
-                let _ = b.waiters.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| w.checked_sub(1));
-                p = b.permits.load(Ordering::Acquire);
-                if p == 0 {
-                    return false;
-                }
-                continue;
-            }
-            match b.permits.compare_exchange_weak(p, p - 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return true,
-                Err(now) => p = now,
-            }
-        }
-    }
-
-    /// Gives a place back (after a `get`, or a failed `put`). Never beyond the capacity:
-    /// a place restored by `restore_places` and then released late is not counted twice.
-    pub(crate) fn release(&self) {
-        let b = self.counters();
-        if b.permits.load(Ordering::Relaxed) == UNBOUNDED {
-            return;
-        }
-        let cap = b.capacity.load(Ordering::Relaxed);
-        let _ = b.permits.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| (p < cap).then_some(p + 1));
-        if b.waiters.load(Ordering::SeqCst) > 0 {
-            // Nobody woken although the count says someone waits: the count is stale (a
-            // waiter was killed in its sleep). Reset it; a waiter that has counted itself but
-            // not slept yet cannot miss this release, since it sleeps only while no place is
-            // free, and it saturates its own decrement.
-            if rustix::thread::futex::wake(&b.permits, rustix::thread::futex::Flags::empty(), 1) == Ok(0) {
-                b.waiters.store(0, Ordering::SeqCst);
-            }
-        }
-    }
 }
 
 /// An OFD lock (`l_type`) on the first byte, owned by the description `fd` refers to.
 fn ofd_lock(fd: i32, l_type: i16) -> Result<()> {
-    let fl = flock(l_type);
-    // SAFETY: F_OFD_SETLK with a valid descriptor and a valid struct flock (l_pid 0, as OFD
-    // locks require), which lives across the call.
-    if unsafe { libc::fcntl(fd, libc::F_OFD_SETLK, &fl) } != 0 {
-        return Err(Error::io("fcntl(F_OFD_SETLK) on a queue", std::io::Error::last_os_error()));
+    ofd_lock_at(fd, 0, l_type, libc::F_OFD_SETLK)
+}
+
+/// An OFD lock on byte `at`: `cmd` F_OFD_SETLK, or F_OFD_SETLKW to wait for it.
+fn ofd_lock_at(fd: i32, at: i64, l_type: i16, cmd: i32) -> Result<()> {
+    let mut fl = flock(l_type);
+    fl.l_start = at;
+    loop {
+        // SAFETY: F_OFD_SETLK(W) with a valid descriptor and a valid struct flock (l_pid 0,
+        // as OFD locks require), which lives across the call.
+        if unsafe { libc::fcntl(fd, cmd, &fl) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io("fcntl(F_OFD_SETLK) on a queue", e));
+        }
     }
-    Ok(())
 }
 
 fn flock(l_type: i16) -> libc::flock {
@@ -332,7 +255,6 @@ fn flock(l_type: i16) -> libc::flock {
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = l_type;
     fl.l_whence = libc::SEEK_SET as i16;
-    fl.l_start = 0;
     fl.l_len = 1;
     fl
 }
@@ -368,7 +290,7 @@ mod tests {
     #[test]
     fn a_stale_waiter_count_heals_at_the_next_release() {
         let c = Control::create(Some(2)).unwrap();
-        assert!(c.acquire(Duration::ZERO));
+        assert!(c.acquire(std::time::Duration::ZERO));
         c.counters().waiters.store(3, Ordering::SeqCst); // three sleepers, all since killed
         c.release();
         assert_eq!(c.counters().waiters.load(Ordering::SeqCst), 0);

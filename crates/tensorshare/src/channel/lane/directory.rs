@@ -1,0 +1,233 @@
+//! The lane's directory: the send descriptions that hold lane messages, parked in a socket.
+//!
+//! A queue's socket pair carries records from the producers' end (`tx`) to the consumers'
+//! end (`rx`); nothing goes the other way, so `tx`'s own receive queue is free. The
+//! directory is that queue: a description is parked by sending it from `rx` (one entry: a
+//! record of its window, the arena's identity and name, with the descriptor attached), and
+//! lives in the socket's buffer, held by the kernel, whoever dies. Entries are read with
+//! `MSG_PEEK` at an offset (`SO_PEEK_OFF`), which leaves them in place, and taken out from
+//! the front once their window is over (see `Ring::first_open_window`). The peek offset
+//! belongs to the socket, so every look and every removal happens under the directory's
+//! lock (an OFD write lock on a byte of the control block, see `Control::with_directory`).
+//!
+//! Entries are what peers wrote: one that does not parse, or whose descriptor is not the
+//! arena it claims, is skipped; one from a window that cannot have begun is taken out.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+
+use rustix::io::Errno;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::shm::FileId;
+use crate::{Error, Result};
+
+const VERSION: u8 = 1;
+/// Room for one entry: version, window, device, inode, name length and a name.
+const MAX_ENTRY: usize = 1 + 8 + 8 + 8 + 1 + 255;
+/// Most entries one look reads: a directory holds a few windows' worth per arena.
+const MAX_LOOK: usize = 4096;
+
+/// One parked description.
+pub(crate) struct Entry {
+    pub(crate) window: u64,
+    pub(crate) id: FileId,
+    pub(crate) fd: Option<OwnedFd>,
+    /// Its descriptor could not be installed here (this process is at its descriptor
+    /// limit).
+    pub(crate) cut: bool,
+}
+
+fn encode(window: u64, id: FileId, name: Option<&str>) -> Result<Vec<u8>> {
+    let name = name.unwrap_or("").as_bytes();
+    let n = u8::try_from(name.len()).map_err(|_| Error::invalid("a segment name over 255 bytes"))?;
+    let mut b = Vec::with_capacity(26 + name.len());
+    b.push(VERSION);
+    b.extend_from_slice(&window.to_le_bytes());
+    b.extend_from_slice(&id.0.to_le_bytes());
+    b.extend_from_slice(&id.1.to_le_bytes());
+    b.push(n);
+    b.extend_from_slice(name);
+    Ok(b)
+}
+
+fn parse(b: &[u8], fd: Option<OwnedFd>) -> Option<Entry> {
+    let word = |at: usize| b.get(at..at + 8).map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+    if b.first() != Some(&VERSION) {
+        return None;
+    }
+    let (window, dev, ino) = (word(1)?, word(9)?, word(17)?);
+    let n = *b.get(25)? as usize;
+    let name = b.get(26..26 + n)?;
+    if b.len() != 26 + n {
+        return None;
+    }
+    // The name is checked against the descriptor when the arena is mapped (see
+    // `Segment::from_named_fd`); here it need only be text.
+    std::str::from_utf8(name).ok()?;
+    Some(Entry { window, id: (dev, ino), fd, cut: false })
+}
+
+/// Parks `desc`, a description of the arena `id` (named `name`), for `window`, by sending
+/// it from the consumers' end `rx` into the producers' end's receive queue.
+pub(crate) fn park(
+    rx: BorrowedFd<'_>,
+    desc: BorrowedFd<'_>,
+    window: u64,
+    id: FileId,
+    name: Option<&str>,
+) -> Result<()> {
+    let bytes = encode(window, id, name)?;
+    let fds = [desc];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(Error::io("parking a lane hold", Errno::NOBUFS));
+    }
+    rustix::net::sendmsg(
+        rx,
+        &[IoSlice::new(&bytes)],
+        &mut control,
+        SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+    )
+    .map_err(|e| Error::io("parking a lane hold (sendmsg)", e))?;
+    Ok(())
+}
+
+/// Reads one entry of `tx`'s receive queue: the next one past the peek offset with `peek`,
+/// else the front one, taken out. None when there are no more; `Some(None)` for a record
+/// that is not an entry.
+fn read(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<Entry>>> {
+    let mut bytes = [0u8; MAX_ENTRY + 1];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
+    if peek {
+        flags |= RecvFlags::PEEK;
+    }
+    let r = match rustix::net::recvmsg(tx, &mut [IoSliceMut::new(&mut bytes)], &mut control, flags) {
+        Ok(r) => r,
+        Err(Errno::AGAIN) => return Ok(None),
+        Err(e) => return Err(Error::io("reading the lane's directory (recvmsg)", e)),
+    };
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    if r.bytes == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    if r.flags.contains(ReturnFlags::TRUNC) {
+        return Ok(Some(None));
+    }
+    if r.flags.contains(ReturnFlags::CTRUNC) && fds.is_empty() {
+        return Ok(Some(parse(&bytes[..r.bytes], None).map(|e| Entry { cut: true, ..e })));
+    }
+    let fd = if fds.len() == 1 { fds.pop() } else { None };
+    Ok(Some(if fd.is_some() { parse(&bytes[..r.bytes], fd) } else { None }))
+}
+
+/// Sets `tx`'s peek offset: reads with `MSG_PEEK` start that many bytes into its queue.
+fn set_peek_offset(tx: BorrowedFd<'_>, at: i32) -> Result<()> {
+    // SAFETY: SO_PEEK_OFF reads one int through the pointer, which lives across the call;
+    // `tx` is a valid descriptor. (rustix has no call for this option.)
+    let r = unsafe {
+        libc::setsockopt(
+            tx.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEEK_OFF,
+            (&at as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(Error::io("setting a peek offset (SO_PEEK_OFF)", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The first entry, from the front, for which `want` says yes; every entry looked at and
+/// not wanted is closed again. Call under the directory's lock.
+pub(crate) fn find(tx: BorrowedFd<'_>, mut want: impl FnMut(&Entry) -> bool) -> Result<Option<Entry>> {
+    set_peek_offset(tx, 0)?;
+    let found = (|| {
+        for _ in 0..MAX_LOOK {
+            match read(tx, true)? {
+                None => return Ok(None),
+                Some(Some(e)) if want(&e) => return Ok(Some(e)),
+                Some(_) => {}
+            }
+        }
+        Ok(None)
+    })();
+    // Off again, so that nothing else on the socket ever reads at an offset.
+    let _ = set_peek_offset(tx, -1);
+    found
+}
+
+/// Takes out, from the front, the entries of windows before `open` (over) and those of
+/// windows after `last` (which cannot have begun: a peer's), and what is not an entry.
+/// Returns how many went. Call under the directory's lock.
+pub(crate) fn take_out_over(tx: BorrowedFd<'_>, open: u64, last: u64) -> Result<usize> {
+    let mut n = 0;
+    for _ in 0..MAX_LOOK {
+        set_peek_offset(tx, 0)?;
+        let front = read(tx, true);
+        let _ = set_peek_offset(tx, -1);
+        match front? {
+            None => break,
+            Some(Some(e)) if e.window >= open && e.window <= last => break,
+            Some(_) => {
+                // Out (closing what it carried); an entry that arrived meanwhile cannot be
+                // the one taken, since entries are only added at the back.
+                let _ = read(tx, false)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn entries_are_found_in_place_and_taken_out_by_window() {
+        let (tx, rx) = crate::channel::socket::pair().unwrap();
+        let files: Vec<OwnedFd> = (0..3)
+            .map(|_| rustix::fs::memfd_create("dir-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap())
+            .collect();
+        let ids: Vec<FileId> = files.iter().map(|f| crate::shm::file_id(f.as_fd()).unwrap()).collect();
+        for (w, (f, id)) in files.iter().zip(&ids).enumerate() {
+            park(rx.as_fd(), f.as_fd(), w as u64, *id, Some("name")).unwrap();
+        }
+        // A record that is not an entry, from a peer.
+        crate::channel::socket::send_record(rx.as_fd(), [b"junk", &[]], &[]).unwrap();
+        for _ in 0..2 {
+            let e = find(tx.as_fd(), |e| e.id == ids[2]).unwrap().expect("found");
+            assert_eq!(e.window, 2);
+            assert_eq!(crate::shm::file_id(e.fd.as_ref().unwrap().as_fd()).unwrap(), ids[2]);
+        }
+        assert!(find(tx.as_fd(), |e| e.id == (0, 0)).unwrap().is_none());
+        // Windows 0 and 1 are over: their entries go, window 2's stays (and the junk behind
+        // it waits for it).
+        assert_eq!(take_out_over(tx.as_fd(), 2, 2).unwrap(), 2);
+        assert!(find(tx.as_fd(), |e| e.id == ids[0]).unwrap().is_none());
+        assert!(find(tx.as_fd(), |e| e.id == ids[2]).unwrap().is_some());
+        assert_eq!(take_out_over(tx.as_fd(), 3, 3).unwrap(), 2);
+        assert!(find(tx.as_fd(), |_| true).unwrap().is_none());
+        // Normal receives on the other end are unaffected by any of it.
+        assert!(matches!(
+            crate::channel::socket::try_recv(rx.as_fd()).unwrap(),
+            crate::channel::socket::Received::Empty
+        ));
+    }
+}

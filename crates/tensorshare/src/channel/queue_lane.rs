@@ -1,0 +1,332 @@
+//! A queue's lane as its core uses it (see `lane`): which messages go there, how a producer
+//! parks what holds them, how a consumer waits for the lane and the socket at once, and the
+//! order of a process's messages across the two.
+//!
+//! Order: each process's values arrive in the order it put them, whichever way each went.
+//! A process sends through the lane only when none of its records may still wait in the
+//! socket (it looks, once it has sent any), and through the socket only once every message
+//! it published in the lane has been taken (a record that would overtake one waits in the
+//! outbox, whose feeder waits for that). Consumers look at the lane before the socket.
+
+use std::collections::HashSet;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+
+use super::awake::watch;
+use super::frame;
+use super::lane::{directory, Claim, Look, Ring, STUCK};
+use super::outbox::Gate;
+use super::queue_core::Core;
+use super::socket::{self, Deadline, Received, SPIN};
+use crate::shm::FileId;
+use crate::util::lock;
+use crate::wire::{self, Encoded, LaneArenas};
+use crate::{Error, Result};
+
+/// How long a consumer waits with nothing arriving before it ends the lane's current
+/// window early, so that what the window holds is given back (see `Ring::close_window`).
+const QUIET: Duration = Duration::from_millis(10);
+/// Most nudges one look drops before it says it found nothing.
+const MAX_NUDGES: usize = 256;
+
+/// What a process keeps about a queue's lane, for all its handles of the queue.
+#[derive(Default)]
+pub(super) struct LaneLocal {
+    /// Send descriptions this process parked, with the latest window each was parked for.
+    /// A `Weak` keeps the allocation, so a live description is never mistaken for another.
+    parked: Vec<(Weak<OwnedFd>, u64)>,
+    /// Arenas this queue's directory has shown this process: the only ones a lane message
+    /// may name from this process's receive cache.
+    known: HashSet<FileId>,
+    /// The position of this process's latest lane message.
+    last: Option<u64>,
+}
+
+impl LaneLocal {
+    fn parked_for(&self, desc: &Arc<OwnedFd>) -> Option<u64> {
+        self.parked.iter().find(|(w, _)| w.as_ptr() == Arc::as_ptr(desc)).map(|&(_, k)| k)
+    }
+
+    fn note_parked(&mut self, desc: &Arc<OwnedFd>, window: u64) {
+        if self.parked.len() >= 64 {
+            self.parked.retain(|(w, _)| w.strong_count() > 0);
+        }
+        match self.parked.iter_mut().find(|(w, _)| w.as_ptr() == Arc::as_ptr(desc)) {
+            Some(e) => e.1 = window,
+            None => self.parked.push((Arc::downgrade(desc), window)),
+        }
+    }
+}
+
+impl Core {
+    fn lane_ring(&self) -> Ring<'_> {
+        self.control.lane()
+    }
+
+    /// Whether `msg` may go through the lane now: it has a lane form, nobody waits on the
+    /// socket for values, and no record of this process can still wait in the socket or
+    /// the outbox.
+    pub(super) fn lane_may_take(&self, msg: &Encoded) -> bool {
+        msg.lane.is_some()
+            && !self.control.polled()
+            && !self.outbox.pending()
+            && !self.outbox.in_socket(self.rx.as_fd())
+    }
+
+    /// Publishes `msg` in the lane. False when it cannot go there (the ring is full, the
+    /// directory refused a hold, or a consumer skipped the position): it must go through
+    /// the socket, and nothing of it is in the lane.
+    pub(super) fn lane_put(&self, msg: &Encoded) -> bool {
+        let Some(form) = &msg.lane else { return false };
+        let ring = self.lane_ring();
+        let mut l = lock(&self.lane);
+        let Claim::At(pos) = ring.claim() else { return false };
+        ring.write(pos, &form.bytes);
+        let window = Ring::window(pos);
+        for a in &form.arenas {
+            if l.parked_for(&a.desc).is_some_and(|k| k >= window) {
+                continue;
+            }
+            let parked = self.control.with_directory(|| {
+                self.take_out_over(ring);
+                directory::park(self.rx.as_fd(), a.desc.as_fd(), window, a.id, a.name.as_deref())
+            });
+            if !matches!(parked, Ok(Ok(()))) {
+                ring.abandon(pos);
+                return false;
+            }
+            l.note_parked(&a.desc, window);
+        }
+        if !ring.publish(pos) {
+            return false;
+        }
+        l.last = Some(pos);
+        drop(l);
+        self.control.ring();
+        if self.control.polled() {
+            // Someone started waiting on the socket meanwhile (see `watch_socket`).
+            frame::nudge(self.tx.as_fd());
+        }
+        true
+    }
+
+    /// Someone is about to wait on the socket for values: from now on messages go through
+    /// the socket, and a nudge (a record without a message) stands for what the lane holds
+    /// already. A producer that publishes in the lane after this looked at it sees the
+    /// flag and nudges too (both sides' steps are sequentially consistent).
+    pub(super) fn watch_socket(&self) {
+        if !self.control.polled() {
+            self.control.set_polled();
+        }
+        if !self.lane_ring().is_empty() {
+            frame::nudge(self.tx.as_fd());
+        }
+    }
+
+    /// Before a record goes into the socket: the gate it must wait for, if this process
+    /// has lane messages not taken yet.
+    pub(super) fn socket_gate(&self) -> Option<Gate> {
+        let mut l = lock(&self.lane);
+        let last = l.last?;
+        if taken(self.lane_ring().head(), last) {
+            l.last = None;
+            return None;
+        }
+        let control = self.control.clone();
+        Some(Arc::new(move || taken(control.lane().head(), last)))
+    }
+
+    /// Takes out of the directory the entries of windows that are over. Under its lock.
+    fn take_out_over(&self, ring: Ring<'_>) {
+        let _ =
+            directory::take_out_over(self.tx.as_fd(), ring.first_open_window(), Ring::window(ring.tail()));
+    }
+
+    /// Ends the lane's window if the lane is idle, and takes out what is over: what the
+    /// lane held is given back.
+    pub(super) fn close_idle_window(&self) {
+        let ring = self.lane_ring();
+        let _ = self.control.with_directory(|| {
+            ring.close_window();
+            self.take_out_over(ring);
+        });
+    }
+
+    /// A message taken from the lane at `pos`, into a value. The position is done with
+    /// (and the window may end) only once this process holds what the message names.
+    fn take_lane<T: DeserializeOwned>(
+        &self,
+        pos: u64,
+        bytes: std::result::Result<Vec<u8>, usize>,
+    ) -> Result<T> {
+        struct Done<'a>(Ring<'a>, u64);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.done(self.1);
+            }
+        }
+        let _done = Done(self.lane_ring(), pos);
+        self.control.count_taken();
+        self.control.release();
+        let bytes =
+            bytes.map_err(|n| Error::invalid(format!("a lane message of {n} bytes, more than a cell")))?;
+        wire::decode_lane(&bytes, self)
+    }
+
+    /// One look at the lane, then the socket: a value (or the error of a bad message) if
+    /// either had one. `waiting` follows a position found claimed and unpublished; one
+    /// that stays so for `STUCK` is skipped.
+    fn look<T: DeserializeOwned>(
+        &self,
+        waiting: &mut Option<(u64, u64, Instant)>,
+    ) -> Result<Option<Result<T>>> {
+        let ring = self.lane_ring();
+        for _ in 0..2 {
+            match ring.take() {
+                Look::Took { pos, bytes } => return Ok(Some(self.take_lane(pos, bytes))),
+                Look::Waiting { pos, seq } => match *waiting {
+                    Some((p, s, since)) if p == pos && s == seq => {
+                        if since.elapsed() < STUCK {
+                            break;
+                        }
+                        ring.skip(pos, seq);
+                        *waiting = None;
+                    }
+                    _ => {
+                        *waiting = Some((pos, seq, Instant::now()));
+                        break;
+                    }
+                },
+                Look::Empty => {
+                    *waiting = None;
+                    break;
+                }
+            }
+        }
+        // Nudges are dropped; a lane message one stands for was looked for above, or is
+        // for the next look.
+        for _ in 0..MAX_NUDGES {
+            return match socket::try_recv(self.rx.as_fd())? {
+                Received::Record(r) if frame::is_nudge(&r) => continue,
+                Received::Record(r) => Ok(Some(self.take(Ok(r)))),
+                Received::Bad(e) => Ok(Some(self.take(Err(e)))),
+                Received::Closed => Err(Error::Disconnected),
+                Received::Empty => Ok(None),
+            };
+        }
+        Ok(None)
+    }
+
+    /// Waits for a value in the lane or the socket until the deadline: polling awake for
+    /// as long as this queue's patience says, then asleep on the queue's bell, which both
+    /// ways of sending ring.
+    pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
+        let awake = self.control.awake();
+        let bell = awake.bell;
+        let mut waiting = None;
+        let mut spin_until = Instant::now() + SPIN;
+        let mut yield_after = spin_until;
+        let mut empty_since: Option<Instant> = None;
+        let mut closed = false;
+        loop {
+            // Read before looking: a message sent after the look rings after this read.
+            let rung = bell.rung();
+            if let Some(v) = self.look(&mut waiting)? {
+                if let Some(since) = empty_since {
+                    awake.patience.learn(since.elapsed());
+                }
+                return v;
+            }
+            let since = match empty_since {
+                Some(s) => s,
+                None => {
+                    // Nothing yet: time for what the last receive left for later (see
+                    // `socket::recv_taken`).
+                    crate::arena::idle();
+                    let s = Instant::now();
+                    empty_since = Some(s);
+                    spin_until = if bell.sender_shares_this_cpu() { s } else { s + awake.patience.window() };
+                    yield_after = s + SPIN;
+                    s
+                }
+            };
+            let now = Instant::now();
+            if now < spin_until && !deadline.passed(now) {
+                watch(bell, rung, spin_until, yield_after, deadline);
+                continue;
+            }
+            let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
+            let nap = match (&waiting, closed) {
+                (Some(_), _) => slice.min(STUCK / 4),
+                (None, false) => slice.min(QUIET),
+                (None, true) => slice,
+            };
+            bell.sleep(rung, nap);
+            if bell.rung() != rung {
+                continue;
+            }
+            if !closed && since.elapsed() >= QUIET {
+                self.close_idle_window();
+                closed = true;
+            }
+            if waiting.is_none() && !self.others() {
+                // A message may have come just before the last sender went away.
+                return match self.look(&mut waiting)? {
+                    Some(v) => v,
+                    None => Err(Error::Disconnected),
+                };
+            }
+        }
+    }
+
+    /// A value if one waits in the lane or the socket now (never waits).
+    pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
+        let mut waiting = None;
+        if let Some(v) = self.look(&mut waiting)? {
+            return v.map(Some);
+        }
+        if self.others() {
+            return Ok(None);
+        }
+        // Alone: nothing more can come, but a message may have arrived just now.
+        match self.look(&mut waiting)? {
+            Some(v) => v.map(Some),
+            None => Err(Error::Disconnected),
+        }
+    }
+}
+
+/// Whether the lane's `head` has passed position `last`.
+fn taken(head: u64, last: u64) -> bool {
+    head.wrapping_sub(last) as i64 > 0
+}
+
+impl LaneArenas for Core {
+    fn known(&self, id: FileId) -> bool {
+        lock(&self.lane).known.contains(&id)
+    }
+
+    fn fetch(&self, id: FileId) -> Result<OwnedFd> {
+        let is_it = |e: &directory::Entry| {
+            e.id == id
+                && (e.cut || e.fd.as_ref().is_some_and(|f| crate::shm::file_id(f.as_fd()).ok() == Some(id)))
+        };
+        let found = self.control.with_directory(|| directory::find(self.tx.as_fd(), is_it))??;
+        if found.as_ref().is_some_and(|e| e.cut) {
+            return Err(Error::InvalidMessage(
+                "the descriptor of an arena the message names could not be received: this process \
+                 has reached its descriptor limit (RLIMIT_NOFILE); raise it or hold fewer shared \
+                 segments"
+                    .into(),
+            ));
+        }
+        let fd = found.and_then(|e| e.fd).ok_or_else(|| {
+            Error::invalid("a lane message names an arena its queue's directory does not hold")
+        })?;
+        lock(&self.lane).known.insert(id);
+        Ok(fd)
+    }
+}
