@@ -175,6 +175,12 @@ pub mod raw {
         Ok((msg.bytes, fds))
     }
 
+    /// How many positions of `q`'s lane producers have claimed so far: whether small
+    /// messages went through the lane rather than the socket.
+    pub fn lane_claimed<T: serde::Serialize + serde::de::DeserializeOwned>(q: &crate::Queue<T>) -> u64 {
+        q.lane_claimed()
+    }
+
     /// A message back into a value, as a receiver would.
     pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
         crate::wire::decode(bytes, fds, false)

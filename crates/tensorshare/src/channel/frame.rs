@@ -31,9 +31,10 @@ const SIDE: u8 = 2;
 /// lane message when someone waits on the socket (see `queue_lane`). Receivers drop it.
 const NUDGE: u8 = 4;
 
-/// Writes a nudge into `fd`, without waiting (a full socket is readable already).
-pub(crate) fn nudge(fd: BorrowedFd<'_>) {
-    let _ = socket::send_record(fd, [&[NUDGE], &[]], &[]);
+/// Writes a nudge into `fd`, without waiting (a full socket is readable already). Returns
+/// whether it was written.
+pub(crate) fn nudge(fd: BorrowedFd<'_>) -> bool {
+    socket::send_record(fd, [&[NUDGE], &[]], &[]).is_ok()
 }
 
 /// Whether `record` is a nudge.

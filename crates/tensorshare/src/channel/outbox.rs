@@ -111,6 +111,12 @@ impl Outbox {
         waiting
     }
 
+    /// One try at writing `out`, announced to receivers first (see `Control::records`).
+    fn write(&self, tx: &OwnedFd, out: &Outgoing) -> rustix::io::Result<()> {
+        self.control.record_coming();
+        socket::send_record(tx.as_fd(), out.parts(), &out.fds()).inspect_err(|_| self.control.record_gone())
+    }
+
     /// A record is in the socket now.
     fn wrote(&self) {
         self.in_socket.store(true, Ordering::SeqCst);
@@ -145,7 +151,9 @@ impl Outbox {
             if !wait_for(gate.as_ref(), &*alive, &|| false) {
                 return Err(Error::Disconnected);
             }
-            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive)?;
+            self.control.record_coming();
+            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive)
+                .inspect_err(|_| self.control.record_gone())?;
             self.wrote();
             return Ok(());
         }
@@ -156,7 +164,7 @@ impl Outbox {
         }
         if st.records.is_empty() && !st.feeding && gate.as_ref().is_none_or(|g| g()) {
             loop {
-                match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
+                match self.write(tx, &out) {
                     Ok(()) => {
                         self.wrote();
                         drop(st);
@@ -212,7 +220,7 @@ impl Outbox {
             let abandoned = || self.state().abandoned;
             let sent = wait_for(gate.as_ref(), alive, &abandoned)
                 && loop {
-                    match socket::send_record(tx.as_fd(), out.parts(), &out.fds()) {
+                    match self.write(tx, &out) {
                         Ok(()) => {
                             // Counted (by the ring) before it stops counting as in hand.
                             self.wrote();

@@ -126,6 +126,14 @@ macro_rules! queue_type {
                 self.core.watch_socket();
                 self.core.rx.as_fd()
             }
+
+            /// How many positions of the queue's lane producers have claimed so far (for
+            /// tests: whether messages went through the lane).
+            #[cfg(feature = "test-support")]
+            #[allow(dead_code)] // `raw` asks a Queue only
+            pub(crate) fn lane_claimed(&self) -> u64 {
+                self.core.control.lane().tail()
+            }
         }
     };
 }

@@ -193,6 +193,7 @@ impl Core {
     /// A record taken off the queue, good or not: its place is free again, and it becomes
     /// a value (or an error, having closed what it carried).
     pub(super) fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
+        self.control.record_gone();
         self.control.count_taken();
         self.control.release();
         frame::decode(record?, true)

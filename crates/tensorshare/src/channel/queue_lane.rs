@@ -108,7 +108,7 @@ impl Core {
         self.control.ring();
         if self.control.polled() {
             // Someone started waiting on the socket meanwhile (see `watch_socket`).
-            frame::nudge(self.tx.as_fd());
+            self.nudge();
         }
         true
     }
@@ -122,7 +122,15 @@ impl Core {
             self.control.set_polled();
         }
         if !self.lane_ring().is_empty() {
-            frame::nudge(self.tx.as_fd());
+            self.nudge();
+        }
+    }
+
+    /// Writes a nudge into the socket (announced as any record is).
+    fn nudge(&self) {
+        self.control.record_coming();
+        if !frame::nudge(self.tx.as_fd()) {
+            self.control.record_gone();
         }
     }
 
@@ -176,12 +184,14 @@ impl Core {
         wire::decode_lane(&bytes, self)
     }
 
-    /// One look at the lane, then the socket: a value (or the error of a bad message) if
-    /// either had one. `waiting` follows a position found claimed and unpublished; one
-    /// that stays so for `STUCK` is skipped.
+    /// One look at the lane, then the socket (unless `sure` is false and no record is said
+    /// to wait there): a value (or the error of a bad message) if either had one.
+    /// `waiting` follows a position found claimed and unpublished; one that stays so for
+    /// `STUCK` is skipped.
     fn look<T: DeserializeOwned>(
         &self,
         waiting: &mut Option<(u64, u64, Instant)>,
+        sure: bool,
     ) -> Result<Option<Result<T>>> {
         let ring = self.lane_ring();
         for _ in 0..2 {
@@ -206,11 +216,17 @@ impl Core {
                 }
             }
         }
+        if !sure && !self.control.may_have_records() {
+            return Ok(None);
+        }
         // Nudges are dropped; a lane message one stands for was looked for above, or is
         // for the next look.
         for _ in 0..MAX_NUDGES {
             return match socket::try_recv(self.rx.as_fd())? {
-                Received::Record(r) if frame::is_nudge(&r) => continue,
+                Received::Record(r) if frame::is_nudge(&r) => {
+                    self.control.record_gone();
+                    continue;
+                }
                 Received::Record(r) => Ok(Some(self.take(Ok(r)))),
                 Received::Bad(e) => Ok(Some(self.take(Err(e)))),
                 Received::Closed => Err(Error::Disconnected),
@@ -231,10 +247,13 @@ impl Core {
         let mut yield_after = spin_until;
         let mut empty_since: Option<Instant> = None;
         let mut closed = false;
+        // The socket is looked at for sure at first and after every sleep, whatever the
+        // count of its records says (a peer may have written it).
+        let mut sure = true;
         loop {
             // Read before looking: a message sent after the look rings after this read.
             let rung = bell.rung();
-            if let Some(v) = self.look(&mut waiting)? {
+            if let Some(v) = self.look(&mut waiting, std::mem::take(&mut sure))? {
                 if let Some(since) = empty_since {
                     awake.patience.learn(since.elapsed());
                 }
@@ -265,6 +284,7 @@ impl Core {
                 (None, true) => slice,
             };
             bell.sleep(rung, nap);
+            sure = true;
             if bell.rung() != rung {
                 continue;
             }
@@ -274,7 +294,7 @@ impl Core {
             }
             if waiting.is_none() && !self.others() {
                 // A message may have come just before the last sender went away.
-                return match self.look(&mut waiting)? {
+                return match self.look(&mut waiting, true)? {
                     Some(v) => v,
                     None => Err(Error::Disconnected),
                 };
@@ -285,14 +305,14 @@ impl Core {
     /// A value if one waits in the lane or the socket now (never waits).
     pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
         let mut waiting = None;
-        if let Some(v) = self.look(&mut waiting)? {
+        if let Some(v) = self.look(&mut waiting, true)? {
             return v.map(Some);
         }
         if self.others() {
             return Ok(None);
         }
         // Alone: nothing more can come, but a message may have arrived just now.
-        match self.look(&mut waiting)? {
+        match self.look(&mut waiting, true)? {
             Some(v) => v.map(Some),
             None => Err(Error::Disconnected),
         }
@@ -330,3 +350,7 @@ impl LaneArenas for Core {
         Ok(fd)
     }
 }
+
+#[cfg(test)]
+#[path = "queue_lane_tests.rs"]
+mod tests;

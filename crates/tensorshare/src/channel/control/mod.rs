@@ -46,6 +46,10 @@ pub(super) struct Counters {
     /// Values put and not yet taken, as producers and consumers say: only for `len`, which
     /// is an estimate (see `Queue::len`); nothing else reads it.
     queued: AtomicU32,
+    /// Records in the queue's socket, as writers (before writing) and takers (after taking)
+    /// say: never below the truth but by a peer's writes, so a receiver that finds it zero
+    /// skips looking at the socket (and still looks whenever it wakes from a sleep).
+    records: AtomicU32,
     /// Set once a process asked for the queue's descriptor to wait on (`Queue::poll_fd`):
     /// lane messages then nudge the socket too (see `queue_lane`).
     polled: AtomicU32,
@@ -188,6 +192,22 @@ impl Control {
     pub(crate) fn ring(&self) {
         self.counters().queued.fetch_add(1, Ordering::Relaxed);
         self.bell().ring();
+    }
+
+    /// A record is about to be written into the queue's socket (see `records`).
+    pub(crate) fn record_coming(&self) {
+        self.counters().records.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A record was taken off the queue's socket, or one announced was not written.
+    pub(crate) fn record_gone(&self) {
+        let _ =
+            self.counters().records.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Whether records may wait in the queue's socket (see `records`).
+    pub(crate) fn may_have_records(&self) -> bool {
+        self.counters().records.load(Ordering::SeqCst) != 0
     }
 
     /// Says that a process waits on the queue's socket for values (see `polled`).

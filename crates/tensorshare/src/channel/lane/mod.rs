@@ -311,6 +311,12 @@ impl<'a> Ring<'a> {
             .unwrap_or(0)
     }
 
+    /// Writes a cell's length word as a peer could.
+    #[cfg(test)]
+    pub(crate) fn set_len_for_test(&self, pos: u64, len: u32) {
+        self.cell(pos).len.store(len, Ordering::Relaxed);
+    }
+
     /// The window of position `pos`.
     pub(crate) fn window(pos: u64) -> u64 {
         pos / CELLS
@@ -382,7 +388,7 @@ mod tests {
         ring.init();
         let Claim::At(p) = ring.claim() else { panic!() };
         ring.write(p, b"x");
-        ring.cell(p).len.store(u32::MAX, Ordering::Relaxed);
+        ring.set_len_for_test(p, u32::MAX);
         assert!(ring.publish(p));
         assert!(matches!(ring.take(), Look::Took { bytes: Err(n), .. } if n == u32::MAX as usize));
     }

@@ -1,0 +1,67 @@
+//! The lane's consumer against producers that die or lie (in one process: what matters is
+//! what the ring and the directory hold, whoever wrote it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::super::lane::{Claim, CELL_BYTES};
+use super::super::queue_core::Core;
+use super::super::socket::Deadline;
+use crate::{Error, Tensor};
+
+fn soon() -> Deadline {
+    Deadline::after(Some(Duration::from_secs(10)))
+}
+
+fn core() -> Arc<Core> {
+    Core::create(None).unwrap()
+}
+
+/// A producer that died between claiming a position and publishing it holds up no
+/// consumer for good: the position is skipped, and the values behind it come.
+#[test]
+fn a_position_claimed_and_never_published_is_skipped() {
+    let core = core();
+    let ring = core.control.lane();
+    let Claim::At(dead) = ring.claim() else { panic!("an empty ring is not full") };
+    core.put(7u32, Deadline::after(None)).map_err(|e| e.into_parts().1).unwrap();
+    assert_eq!(ring.tail(), dead + 2, "the value went through the lane, behind the dead claim");
+    assert_eq!(core.get::<u32>(soon()).unwrap(), 7);
+    assert!(!ring.publish(dead), "the dead claim was skipped: a late publish must fail");
+    let _another_handle = core.clone();
+    assert!(core.try_get::<u32>().unwrap().is_none(), "nothing came twice");
+}
+
+/// A lane message may name only arenas its queue's directory holds: one naming an arena
+/// of the consumer's own that was never sent through the queue is refused (the consumer
+/// has it mapped, so a lookup by identity alone would find it), as are garbage and a
+/// length past the cell; the queue works on after each.
+#[test]
+fn lane_messages_a_peer_forged_are_refused_and_the_queue_goes_on() {
+    let core = core();
+    let ring = core.control.lane();
+    let mine = Tensor::full(&[16], 3.0f32);
+    let mut shared = mine.clone();
+    shared.share_memory().unwrap();
+    // The lane form of a message naming it, written into the ring without parking its hold.
+    let forged = crate::wire::encode_for_lane(&shared, CELL_BYTES).unwrap().lane.unwrap().bytes;
+    let garbage = vec![0xA5u8; 100];
+    for bytes in [&forged, &garbage] {
+        let Claim::At(p) = ring.claim() else { panic!("room") };
+        ring.write(p, bytes);
+        assert!(ring.publish(p));
+        let err = core.get::<Tensor>(soon()).unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    }
+    let Claim::At(p) = ring.claim() else { panic!("room") };
+    ring.write(p, b"x");
+    ring.set_len_for_test(p, u32::MAX);
+    assert!(ring.publish(p));
+    let err = core.get::<Tensor>(soon()).unwrap_err();
+    assert!(err.to_string().contains("more than a cell"), "{err}");
+    // Sent for real, the same tensor comes back as the same storage.
+    core.put(shared.clone(), Deadline::after(None)).map_err(|e| e.into_parts().1).unwrap();
+    let back: Tensor = core.get(soon()).unwrap();
+    assert!(back.storage().ptr_eq(shared.storage()));
+    assert_eq!(back.to_vec::<f32>().unwrap(), vec![3.0; 16]);
+}

@@ -1,0 +1,142 @@
+//! A queue's lane between real processes: small messages go through it, and every promise
+//! of the socket path holds there too: holds that outlive a killed producer, each
+//! producer's order across the lane and the socket, and `poll_fd`.
+
+#![allow(clippy::type_complexity)] // queues of tuples, spelled out in each test
+
+use std::os::fd::BorrowedFd;
+use std::time::Duration;
+
+use tensorshare::{raw, spawn, Connection, DType, Queue, Tensor};
+
+tensorshare::enable_test_workers!();
+
+/// The creator hands out every other 4 KiB slot, twice as many as its arenas held, and
+/// writes 7.0 into each: a slot still held anywhere is never among them.
+fn hand_out_everything_else() -> Vec<Tensor> {
+    (0..4096)
+        .map(|_| {
+            let mut x = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            x.fill(7.0f32).unwrap();
+            x
+        })
+        .collect()
+}
+
+fn relay_then_wait(_rank: usize, (from, q, done): (Connection<Vec<Tensor>>, Queue<Vec<Tensor>>, Queue<()>)) {
+    let got = from.recv().unwrap();
+    q.put(got).unwrap();
+    done.put(()).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// A relay passes tensors it got through a pipe on through a lane and is SIGKILLed: the
+/// pipe's message, its own locks and its send description die with it; the creator, with
+/// no handle left, still never hands the slots out again while the message waits in the
+/// lane, and the reader gets what was written.
+#[test]
+fn a_lane_message_stays_held_after_its_producer_is_killed() {
+    let (to, from) = tensorshare::pipe::<Vec<Tensor>>().unwrap();
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let done: Queue<()> = Queue::new().unwrap();
+    let mut ctx = spawn(relay_then_wait, (from, q.clone(), done.clone()), 1).unwrap();
+    let ts: Vec<Tensor> = (0..8)
+        .map(|i| {
+            let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+            t.fill(i as f32).unwrap();
+            t
+        })
+        .collect();
+    let first: Vec<usize> = ts.iter().map(|t| t.storage().data_ptr()).collect();
+    to.send(ts).unwrap();
+    done.get().unwrap();
+    assert_eq!(raw::lane_claimed(&q), 1, "the relay went through the lane");
+    let pid = rustix::process::Pid::from_raw(ctx.pids()[0]).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    assert_eq!(ctx.join(None).unwrap_err().signal_name(), Some("SIGKILL"));
+    drop(to);
+    let others = hand_out_everything_else();
+    let reused = others.iter().filter(|t| first.contains(&t.storage().data_ptr())).count();
+    let got = q.get().unwrap();
+    assert_eq!(reused, 0, "slots of the message in the lane were handed out again");
+    for (i, t) in got.iter().enumerate() {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|v| *v == i as f32), "slot of tensor {i} was reused");
+    }
+    drop(others);
+}
+
+/// What one message carries: (producer, index, padding, a queue).
+type Mixed = (u32, u32, Vec<u8>, Option<Queue<u8>>);
+
+fn produce_mixed(rank: usize, (q, inner): (Queue<Mixed>, Queue<u8>)) {
+    for i in 0..300u32 {
+        // The first 100 small: the lane, until it is full, then the socket. Then every 7th
+        // too large for a cell and every 11th carrying descriptors: the socket; the rest
+        // small: the lane whenever this producer has nothing left in the socket.
+        let pad = if i >= 100 && i % 7 == 0 { vec![1u8; 6000] } else { Vec::new() };
+        let queue = (i >= 100 && i % 11 == 0).then(|| inner.clone());
+        q.put((rank as u32, i, pad, queue)).unwrap();
+    }
+}
+
+/// Two producer processes put 300 values each into an unbounded queue before anyone reads,
+/// mixing values for the lane and for the socket; the lane fills and overflows into the
+/// socket. The reader gets every value once, and each producer's in the order it put them.
+#[test]
+fn each_producers_values_keep_their_order_across_lane_and_socket() {
+    let q: Queue<Mixed> = Queue::new().unwrap();
+    let inner: Queue<u8> = Queue::new().unwrap();
+    let mut ctx = spawn(produce_mixed, (q.clone(), inner.clone()), 2).unwrap();
+    let mut next = [0u32; 2];
+    for _ in 0..600 {
+        let (rank, i, pad, queue) = q.get_timeout(Duration::from_secs(60)).unwrap();
+        assert_eq!(i, next[rank as usize], "producer {rank}'s values out of order");
+        next[rank as usize] += 1;
+        assert_eq!(pad.len(), if i >= 100 && i % 7 == 0 { 6000 } else { 0 });
+        assert_eq!(queue.is_some(), i >= 100 && i % 11 == 0);
+    }
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(next, [300, 300]);
+    assert!(raw::lane_claimed(&q) >= 64, "the lane carried values");
+    // Alone now: nothing more (and nothing twice) can come.
+    assert!(matches!(q.try_get(), Err(tensorshare::Error::Disconnected)));
+}
+
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    let mut pfd = [rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN)];
+    let limit = rustix::event::Timespec { tv_sec: 30, tv_nsec: 0 };
+    rustix::event::poll(&mut pfd, Some(&limit)).unwrap() > 0
+}
+
+fn put_three(_rank: usize, (q, from): (Queue<u32>, u32)) {
+    for i in from..from + 3 {
+        q.put(i).unwrap();
+    }
+}
+
+/// `poll_fd` becomes readable for values put into the lane before it was asked for (they
+/// are nudged) and for values put after (they then go through the socket).
+#[test]
+fn poll_fd_wakes_for_values_in_the_lane_and_after() {
+    let q: Queue<u32> = Queue::new().unwrap();
+    let mut ctx = spawn(put_three, (q.clone(), 0), 1).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(raw::lane_claimed(&q), 3, "the values went through the lane");
+    let mut got = Vec::new();
+    for from in [0, 3] {
+        if from == 3 {
+            ctx = spawn(put_three, (q.clone(), 3), 1).unwrap();
+        }
+        while got.len() < from as usize + 3 {
+            assert!(readable(q.poll_fd()), "no wake-up for a waiting value");
+            // The producer may be gone: then the queue says so once it is empty.
+            while let Ok(Some(v)) = q.try_get() {
+                got.push(v);
+            }
+        }
+    }
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(got, vec![0, 1, 2, 3, 4, 5]);
+}
