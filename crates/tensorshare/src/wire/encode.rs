@@ -35,9 +35,21 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     encode_with(value, None)
 }
 
+/// Most slots a lane message may name. A lane holds what its messages name for a window of
+/// them (see `channel::lane`), far longer than a consumer that drops them at once would:
+/// a message of many storages (a batch of small tensors) would keep thousands of slots held,
+/// and its creator would make new arenas instead of reusing warm ones. Such messages go
+/// through the socket, whose holds end at the consumer's next receive.
+const LANE_MAX_SLOTS: usize = 16;
+/// Largest slot a lane message may name, for the same reason: a window of 1 MiB storages
+/// would keep 64 MiB from being reused, and the syscalls the lane saves are small beside
+/// touching that much memory.
+const LANE_MAX_SLOT_BYTES: usize = 64 << 10;
+
 /// As [`encode`], and also in the form of a queue's lane (see [`LaneForm`]) when the
 /// message fits one: at most `lane_max` bytes, and no descriptor but the send descriptions
-/// of arenas of size classes.
+/// of arenas of size classes of at most `LANE_MAX_SLOT_BYTES`, naming at most
+/// `LANE_MAX_SLOTS` slots.
 pub(crate) fn encode_for_lane<T: Serialize + ?Sized>(value: &T, lane_max: usize) -> Result<Encoded> {
     encode_with(value, Some(lane_max))
 }
@@ -65,7 +77,8 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     // would keep alive far longer than a message does).
     let mut lane_ok = lane_max.is_some()
         && ctx.fds.is_empty()
-        && ctx.segments.iter().all(|(a, _)| !a.is_large())
+        && ctx.segments.iter().all(|(a, _)| !a.is_large() && a.slot_size() <= LANE_MAX_SLOT_BYTES)
+        && ctx.segments.iter().map(|(_, slots)| slots.len()).sum::<usize>() <= LANE_MAX_SLOTS
         && ctx.storages.iter().all(|s| !matches!(s, StorageDesc::Device(_)));
     // The arenas' descriptors last: each is a send description with the message's slots
     // locked on it, taken only now that the whole value is known.
