@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::super::lane::{Claim, CELL_BYTES};
-use super::super::queue_core::Core;
-use super::super::socket::Deadline;
+use crate::channel::lane::{Claim, CELL_BYTES};
+use crate::channel::queue_core::Core;
+use crate::channel::socket::Deadline;
 use crate::{Error, Tensor};
 
 fn soon() -> Deadline {
