@@ -29,6 +29,13 @@ use crate::{Error, Result};
 /// How long a consumer waits with nothing arriving before it ends the lane's current
 /// window early, so that what the window holds is given back (see `Ring::close_window`).
 const QUIET: Duration = Duration::from_millis(10);
+/// How long a producer waits for the lane directory's lock before it sends through the
+/// socket instead (the lock is held for microseconds; a process stopped holding it, or a
+/// hostile one, must not stop producers).
+const PARK_PATIENCE: Duration = Duration::from_millis(5);
+/// How long a consumer waits for it to find an arena a message it took names, before the
+/// message is an error (it cannot be held, so it cannot be read).
+const FETCH_PATIENCE: Duration = Duration::from_secs(1);
 /// Most nudges one look drops before it says it found nothing.
 const MAX_NUDGES: usize = 256;
 
@@ -43,6 +50,8 @@ pub(super) struct LaneLocal {
     known: HashSet<FileId>,
     /// The position of this process's latest lane message.
     last: Option<u64>,
+    /// A lane position seen claimed and unpublished: (position, sequence word, since when).
+    stuck: Option<(u64, u64, Instant)>,
 }
 
 impl LaneLocal {
@@ -90,7 +99,7 @@ impl Core {
             if l.parked_for(&a.desc).is_some_and(|k| k >= window) {
                 continue;
             }
-            let parked = self.control.with_directory(|| {
+            let parked = self.control.with_directory(PARK_PATIENCE, || {
                 self.take_out_over(ring);
                 directory::park(self.rx.as_fd(), a.desc.as_fd(), window, a.id, a.name.as_deref())
             });
@@ -157,7 +166,7 @@ impl Core {
     /// lane held is given back.
     pub(super) fn close_idle_window(&self) {
         let ring = self.lane_ring();
-        let _ = self.control.with_directory(|| {
+        let _ = self.control.with_directory(Duration::ZERO, || {
             ring.close_window();
             self.take_out_over(ring);
         });
@@ -186,34 +195,19 @@ impl Core {
 
     /// One look at the lane, then the socket (unless `sure` is false and no record is said
     /// to wait there): a value (or the error of a bad message) if either had one.
-    /// `waiting` follows a position found claimed and unpublished; one that stays so for
-    /// `STUCK` is skipped.
-    fn look<T: DeserializeOwned>(
-        &self,
-        waiting: &mut Option<(u64, u64, Instant)>,
-        sure: bool,
-    ) -> Result<Option<Result<T>>> {
+    /// `waiting` says whether the lane's next position is claimed and not published yet.
+    fn look<T: DeserializeOwned>(&self, waiting: &mut bool, sure: bool) -> Result<Option<Result<T>>> {
         let ring = self.lane_ring();
+        *waiting = false;
         for _ in 0..2 {
             match ring.take() {
                 Look::Took { pos, bytes } => return Ok(Some(self.take_lane(pos, bytes))),
-                Look::Waiting { pos, seq } => match *waiting {
-                    Some((p, s, since)) if p == pos && s == seq => {
-                        if since.elapsed() < STUCK {
-                            break;
-                        }
-                        ring.skip(pos, seq);
-                        *waiting = None;
-                    }
-                    _ => {
-                        *waiting = Some((pos, seq, Instant::now()));
-                        break;
-                    }
-                },
-                Look::Empty => {
-                    *waiting = None;
+                Look::Waiting { pos, seq } if self.stuck_for_long(pos, seq) => ring.skip(pos, seq),
+                Look::Waiting { .. } => {
+                    *waiting = true;
                     break;
                 }
+                Look::Empty => break,
             }
         }
         if !sure && !self.control.may_have_records() {
@@ -236,13 +230,26 @@ impl Core {
         Ok(None)
     }
 
+    /// Whether the lane's position `pos` has been seen claimed and unpublished (sequence word
+    /// `seq`) for `STUCK`, by any look of this process: its producer is taken for dead.
+    fn stuck_for_long(&self, pos: u64, seq: u64) -> bool {
+        let mut l = lock(&self.lane);
+        match l.stuck {
+            Some((p, s, since)) if p == pos && s == seq => since.elapsed() >= STUCK,
+            _ => {
+                l.stuck = Some((pos, seq, Instant::now()));
+                false
+            }
+        }
+    }
+
     /// Waits for a value in the lane or the socket until the deadline: polling awake for
     /// as long as this queue's patience says, then asleep on the queue's bell, which both
     /// ways of sending ring.
     pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
         let awake = self.control.awake();
         let bell = awake.bell;
-        let mut waiting = None;
+        let mut waiting = false;
         let mut spin_until = Instant::now() + SPIN;
         let mut yield_after = spin_until;
         let mut empty_since: Option<Instant> = None;
@@ -278,10 +285,10 @@ impl Core {
                 continue;
             }
             let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
-            let nap = match (&waiting, closed) {
-                (Some(_), _) => slice.min(STUCK / 4),
-                (None, false) => slice.min(QUIET),
-                (None, true) => slice,
+            let nap = match (waiting, closed) {
+                (true, _) => slice.min(STUCK / 4),
+                (false, false) => slice.min(QUIET),
+                (false, true) => slice,
             };
             bell.sleep(rung, nap);
             sure = true;
@@ -292,7 +299,7 @@ impl Core {
                 self.close_idle_window();
                 closed = true;
             }
-            if waiting.is_none() && !self.others() {
+            if !waiting && !self.others() {
                 // A message may have come just before the last sender went away.
                 return match self.look(&mut waiting, true)? {
                     Some(v) => v,
@@ -304,9 +311,14 @@ impl Core {
 
     /// A value if one waits in the lane or the socket now (never waits).
     pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
-        let mut waiting = None;
+        let mut waiting = false;
         if let Some(v) = self.look(&mut waiting, true)? {
             return v.map(Some);
+        }
+        if waiting && self.control.polled() {
+            // One waiting on the descriptor must come back until the claim is published or
+            // skipped: the nudge that woke it is gone.
+            self.nudge();
         }
         if self.others() {
             return Ok(None);
@@ -334,7 +346,17 @@ impl LaneArenas for Core {
             e.id == id
                 && (e.cut || e.fd.as_ref().is_some_and(|f| crate::shm::file_id(f.as_fd()).ok() == Some(id)))
         };
-        let found = self.control.with_directory(|| directory::find(self.tx.as_fd(), is_it))??;
+        let found = self
+            .control
+            .with_directory(FETCH_PATIENCE, || directory::find(self.tx.as_fd(), is_it))
+            .map_err(|e| match e {
+                Error::Timeout => Error::InvalidMessage(
+                    "the queue's lane directory stayed locked by another process: the arena a lane \
+                     message names cannot be looked up"
+                        .into(),
+                ),
+                e => e,
+            })??;
         if found.as_ref().is_some_and(|e| e.cut) {
             return Err(Error::InvalidMessage(
                 "the descriptor of an arena the message names could not be received: this process \

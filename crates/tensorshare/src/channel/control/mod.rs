@@ -14,6 +14,7 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::lane::Ring;
 use super::socket::Bell;
@@ -167,14 +168,32 @@ impl Control {
 
     /// Runs `f` holding the lane directory's lock: other threads of this process wait on
     /// this process's hold, other processes on an OFD write lock of the hold's description,
-    /// which the kernel drops if this process dies meanwhile.
-    pub(crate) fn with_directory<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+    /// which the kernel drops if this process dies meanwhile. Waits at most `patience` for
+    /// the lock (a peer stopped or hostile may keep it): then `Error::Timeout`, and `f` does
+    /// not run. The lock goes when `f` returns or unwinds.
+    pub(crate) fn with_directory<R>(&self, patience: Duration, f: impl FnOnce() -> R) -> Result<R> {
+        struct Unlock(i32);
+        impl Drop for Unlock {
+            fn drop(&mut self) {
+                let _ = ofd_lock_at(self.0, DIRECTORY_LOCK, libc::F_UNLCK as i16, libc::F_OFD_SETLK);
+            }
+        }
         let h = self.held()?;
         let fd = h.1.as_raw_fd();
-        ofd_lock_at(fd, DIRECTORY_LOCK, libc::F_WRLCK as i16, libc::F_OFD_SETLKW)?;
-        let r = f();
-        let _ = ofd_lock_at(fd, DIRECTORY_LOCK, libc::F_UNLCK as i16, libc::F_OFD_SETLK);
-        Ok(r)
+        let until = std::time::Instant::now() + patience;
+        let mut nap = Duration::from_micros(20);
+        while let Err(e) = setlk(fd, DIRECTORY_LOCK, libc::F_WRLCK as i16, libc::F_OFD_SETLK) {
+            if !matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
+                return Err(Error::io("locking a queue's lane directory (F_OFD_SETLK)", e));
+            }
+            if std::time::Instant::now() >= until {
+                return Err(Error::Timeout);
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+        let _unlock = Unlock(fd);
+        Ok(f())
     }
 
     /// The doorbell senders ring after each record and receivers watch while they poll.
@@ -255,6 +274,10 @@ fn ofd_lock(fd: i32, l_type: i16) -> Result<()> {
 
 /// An OFD lock on byte `at`: `cmd` F_OFD_SETLK, or F_OFD_SETLKW to wait for it.
 fn ofd_lock_at(fd: i32, at: i64, l_type: i16, cmd: i32) -> Result<()> {
+    setlk(fd, at, l_type, cmd).map_err(|e| Error::io("fcntl(F_OFD_SETLK) on a queue", e))
+}
+
+fn setlk(fd: i32, at: i64, l_type: i16, cmd: i32) -> std::io::Result<()> {
     let mut fl = flock(l_type);
     fl.l_start = at;
     loop {
@@ -265,7 +288,7 @@ fn ofd_lock_at(fd: i32, at: i64, l_type: i16, cmd: i32) -> Result<()> {
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::io("fcntl(F_OFD_SETLK) on a queue", e));
+            return Err(e);
         }
     }
 }

@@ -121,7 +121,8 @@ fn read(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<Entry>>> {
         }
     }
     if r.bytes == 0 && fds.is_empty() {
-        return Ok(None);
+        // A record of no bytes (only a peer writes one): not an entry, and not the end.
+        return Ok(Some(None));
     }
     if r.flags.contains(ReturnFlags::TRUNC) {
         return Ok(Some(None));

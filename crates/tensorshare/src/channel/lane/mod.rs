@@ -278,7 +278,8 @@ impl<'a> Ring<'a> {
         if t % CELLS == 0 || ends.head.load(Ordering::Acquire) != t {
             return false;
         }
-        let end = (t / CELLS + 1) * CELLS;
+        // Checked: a peer may have written any position.
+        let Some(end) = (t / CELLS).checked_add(1).and_then(|w| w.checked_mul(CELLS)) else { return false };
         if (t..end).any(|q| self.cell(q).seq.load(Ordering::Acquire) != q) {
             return false;
         }
