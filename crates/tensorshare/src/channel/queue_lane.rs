@@ -213,19 +213,26 @@ impl Core {
         if !sure && !self.control.may_have_records() {
             return Ok(None);
         }
-        // Nudges are dropped; a lane message one stands for was looked for above, or is
-        // for the next look.
+        // Nudges are dropped; the lane message one stands for may have been published
+        // after the look above, so the lane is looked at again once one was dropped (a
+        // process waiting on the socket would otherwise sleep with it there).
+        let mut nudged = false;
         for _ in 0..MAX_NUDGES {
-            return match socket::try_recv(self.rx.as_fd())? {
+            match socket::try_recv(self.rx.as_fd())? {
                 Received::Record(r) if frame::is_nudge(&r) => {
                     self.control.record_gone();
-                    continue;
+                    nudged = true;
                 }
-                Received::Record(r) => Ok(Some(self.take(Ok(r)))),
-                Received::Bad(e) => Ok(Some(self.take(Err(e)))),
-                Received::Closed => Err(Error::Disconnected),
-                Received::Empty => Ok(None),
-            };
+                Received::Record(r) => return Ok(Some(self.take(Ok(r)))),
+                Received::Bad(e) => return Ok(Some(self.take(Err(e)))),
+                Received::Closed => return Err(Error::Disconnected),
+                Received::Empty => break,
+            }
+        }
+        if nudged {
+            if let Look::Took { pos, bytes } = ring.take() {
+                return Ok(Some(self.take_lane(pos, bytes)));
+            }
         }
         Ok(None)
     }

@@ -5,10 +5,12 @@
 //! are the send descriptions of arenas of size classes (see `arena`). It then names each
 //! arena by its identity (device, inode) instead of carrying a descriptor, and the ring is
 //! a bounded MPMC queue of fixed cells (Dmitry Vyukov's): each cell has a sequence word,
-//! `q` when it is free for position `q`, `q + 1` once the message at `q` is published,
-//! and `q + CELLS` once that message is taken and done with (or the position was skipped),
-//! which is the free state of the next lap. Producers claim positions by moving `tail`,
-//! consumers take them by moving `head`.
+//! `q` when it is free for position `q` (or claimed: `tail` has passed `q`), `q + 1` once
+//! the message at `q` is published, `q + 2` once consumers gave up waiting for it (see
+//! below; the cell is still its claimant's), and `q + CELLS` once the position is done
+//! with (its message taken and held, or the position given up by its claimant), which is
+//! the free state of the next lap. Producers claim positions by moving `tail`, consumers
+//! take them by moving `head`.
 //!
 //! What holds a lane message's memory: no descriptor travels with it, so the holds ride
 //! elsewhere, in the kernel as always. Positions are grouped in *windows*, one lap of the
@@ -25,8 +27,11 @@
 //!
 //! Death in the middle of a step: a producer that dies between claiming a position and
 //! publishing it would stop every consumer at that position; a consumer that finds a
-//! position claimed and unpublished for [`STUCK`] skips it (a live producer that was only
-//! stopped then finds its position skipped and sends its message through the socket). A
+//! position claimed and unpublished for [`STUCK`] skips it (`q + 2`). The cell stays its
+//! claimant's: a live producer that was only stopped finishes writing it, finds its
+//! publish refused, frees the cell and sends its message through the socket; a dead one
+//! leaves the cell skipped, and producers find the ring full there a lap later (the queue
+//! then works through its socket, as when a consumer dies in a cell). A
 //! consumer that dies between taking a message and being done with it loses that message,
 //! as it would lose a record it had taken off the socket, and leaves its cell in use:
 //! producers then find the ring full at that cell and use the socket, and the windows from
@@ -194,60 +199,77 @@ impl<'a> Ring<'a> {
         self.cell(pos).len.store(bytes.len() as u32, Ordering::Relaxed);
     }
 
-    /// Makes the message at `pos` visible. False if a consumer skipped the position first
-    /// (it found it claimed for too long): the message must go another way.
+    /// Makes the message at `pos` visible. False if consumers skipped the position first
+    /// (they found it claimed for too long): the cell is freed for the next lap, and the
+    /// message must go another way.
     pub(crate) fn publish(&self, pos: u64) -> bool {
+        let seq = &self.cell(pos).seq;
         // SeqCst: a process that starts waiting on the socket (`Queue::poll_fd`) and then
         // looks at the ring either sees this message or is seen by its producer.
-        self.cell(pos)
-            .seq
-            .compare_exchange(pos, pos.wrapping_add(1), Ordering::SeqCst, Ordering::Relaxed)
-            .is_ok()
+        if seq.compare_exchange(pos, pos.wrapping_add(1), Ordering::SeqCst, Ordering::Relaxed).is_ok() {
+            return true;
+        }
+        self.free_skipped(pos);
+        false
     }
 
-    /// Gives up a claimed position without a message (read as skipped).
+    /// Gives up a claimed position without a message: it is done with.
     pub(crate) fn abandon(&self, pos: u64) {
+        let seq = &self.cell(pos).seq;
+        if seq.compare_exchange(pos, pos.wrapping_add(CELLS), Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            self.free_skipped(pos);
+        }
+    }
+
+    /// The claimant of a skipped position frees its cell for the next lap.
+    fn free_skipped(&self, pos: u64) {
         let _ = self.cell(pos).seq.compare_exchange(
-            pos,
+            pos.wrapping_add(2),
             pos.wrapping_add(CELLS),
             Ordering::AcqRel,
             Ordering::Relaxed,
         );
     }
 
-    /// Takes the next message if one is published, skipping skipped positions.
+    /// Takes the next message if one is published, passing positions that are done with
+    /// or skipped.
     pub(crate) fn take(&self) -> Look {
         let ends = self.ends();
         for _ in 0..4 * CELLS {
             let h = ends.head.load(Ordering::Acquire);
             let cell = self.cell(h);
             let s = cell.seq.load(Ordering::Acquire);
-            if s == h.wrapping_add(1) {
-                if ends
-                    .head
-                    .compare_exchange(h, h.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed)
-                    .is_err()
-                {
-                    continue;
+            match s.wrapping_sub(h) as i64 {
+                1 => {
+                    if ends
+                        .head
+                        .compare_exchange(h, h.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed)
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    let len = cell.len.load(Ordering::Relaxed) as usize;
+                    if len > CELL_BYTES {
+                        return Look::Took { pos: h, bytes: Err(len) };
+                    }
+                    let mut bytes = vec![0u8; len];
+                    // SAFETY: as in `write`: len <= CELL_BYTES bytes of the cell's data.
+                    unsafe { crate::atomic_bytes::load(self.cell_at(h).add(CELL_HEAD), &mut bytes) };
+                    return Look::Took { pos: h, bytes: Ok(bytes) };
                 }
-                let len = cell.len.load(Ordering::Relaxed) as usize;
-                if len > CELL_BYTES {
-                    return Look::Took { pos: h, bytes: Err(len) };
+                // Skipped, or done with (and maybe claimed again for a later lap): pass it.
+                d if d == 2 || d >= CELLS as i64 => {
+                    let _ =
+                        ends.head.compare_exchange(h, h.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed);
                 }
-                let mut bytes = vec![0u8; len];
-                // SAFETY: as in `write`: len <= CELL_BYTES bytes of the cell's data.
-                unsafe { crate::atomic_bytes::load(self.cell_at(h).add(CELL_HEAD), &mut bytes) };
-                return Look::Took { pos: h, bytes: Ok(bytes) };
+                _ => {
+                    return if ends.tail.load(Ordering::Acquire).wrapping_sub(h) as i64 <= 0 {
+                        Look::Empty
+                    } else {
+                        Look::Waiting { pos: h, seq: s }
+                    }
+                }
             }
-            if s == h.wrapping_add(CELLS) {
-                let _ = ends.head.compare_exchange(h, h.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed);
-                continue;
-            }
-            return if ends.tail.load(Ordering::Acquire).wrapping_sub(h) as i64 <= 0 {
-                Look::Empty
-            } else {
-                Look::Waiting { pos: h, seq: s }
-            };
         }
         Look::Empty
     }
@@ -258,14 +280,18 @@ impl<'a> Ring<'a> {
         self.cell(pos).seq.store(pos.wrapping_add(CELLS), Ordering::Release);
     }
 
-    /// Skips `pos`, found claimed with sequence word `seq` for too long.
+    /// Skips `pos`, found claimed and unpublished for too long: consumers pass it, and its
+    /// cell stays its claimant's (see the module docs). Only a claimed position is skipped
+    /// (`seq` must be `pos`); any other state a look reported is left alone.
     pub(crate) fn skip(&self, pos: u64, seq: u64) {
-        let _ = self.cell(pos).seq.compare_exchange(
-            seq,
-            pos.wrapping_add(CELLS),
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        if seq == pos {
+            let _ = self.cell(pos).seq.compare_exchange(
+                pos,
+                pos.wrapping_add(2),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
     }
 
     /// Ends the current window early when the ring is idle (everything claimed has been
@@ -274,6 +300,17 @@ impl<'a> Ring<'a> {
     /// False when there was nothing to end, or the ring was busy.
     pub(crate) fn close_window(&self) -> bool {
         let ends = self.ends();
+        // Past positions done with or skipped that no consumer has passed yet (the last of
+        // them may be such a one, and then no consumer ever comes to pass it).
+        for _ in 0..CELLS {
+            let h = ends.head.load(Ordering::Acquire);
+            let d = self.cell(h).seq.load(Ordering::Acquire).wrapping_sub(h) as i64;
+            let pending = ends.tail.load(Ordering::Acquire).wrapping_sub(h) as i64 > 0;
+            if !pending || !(d == 2 || d >= CELLS as i64) {
+                break;
+            }
+            let _ = ends.head.compare_exchange(h, h.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed);
+        }
         let t = ends.tail.load(Ordering::Acquire);
         if t % CELLS == 0 || ends.head.load(Ordering::Acquire) != t {
             return false;
@@ -301,12 +338,8 @@ impl<'a> Ring<'a> {
         (0..CELLS)
             .map(|i| {
                 let s = self.cell(i).seq.load(Ordering::Acquire).wrapping_sub(i);
-                // Free for lap s / CELLS, or (s ≡ 1) the message of lap (s - 1) / CELLS waits.
-                if s % CELLS == 0 {
-                    s / CELLS
-                } else {
-                    s.wrapping_sub(1) / CELLS
-                }
+                // Lap s / CELLS is free (s ≡ 0), published (s ≡ 1) or skipped (s ≡ 2, done).
+                s / CELLS + u64::from(s % CELLS == 2)
             })
             .min()
             .unwrap_or(0)
@@ -325,72 +358,4 @@ impl<'a> Ring<'a> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::SharingStrategy;
-
-    fn ring_segment() -> Segment {
-        Segment::create(RING_AT + RING_LEN, SharingStrategy::FileDescriptor).unwrap()
-    }
-
-    #[test]
-    fn messages_come_out_in_order_and_the_ring_fills_at_its_size() {
-        let seg = ring_segment();
-        // SAFETY: the segment is as large as a control block and page-aligned.
-        let ring = unsafe { Ring::new(&seg) };
-        ring.init();
-        for i in 0..CELLS {
-            let Claim::At(p) = ring.claim() else { panic!("full at {i}") };
-            ring.write(p, &i.to_le_bytes());
-            assert!(ring.publish(p));
-        }
-        assert!(matches!(ring.claim(), Claim::Full));
-        for i in 0..CELLS {
-            let Look::Took { pos, bytes } = ring.take() else { panic!("nothing at {i}") };
-            assert_eq!(bytes.unwrap(), i.to_le_bytes());
-            ring.done(pos);
-        }
-        assert!(matches!(ring.take(), Look::Empty));
-        assert_eq!(ring.first_open_window(), 1);
-        assert!(matches!(ring.claim(), Claim::At(p) if p == CELLS));
-    }
-
-    #[test]
-    fn a_claimed_position_waits_and_a_skipped_one_is_passed_over() {
-        let seg = ring_segment();
-        // SAFETY: as above.
-        let ring = unsafe { Ring::new(&seg) };
-        ring.init();
-        let Claim::At(a) = ring.claim() else { panic!() };
-        let Claim::At(b) = ring.claim() else { panic!() };
-        ring.write(b, b"second");
-        assert!(ring.publish(b));
-        let Look::Waiting { pos, seq } = ring.take() else { panic!("the first is claimed") };
-        assert_eq!((pos, seq), (a, a));
-        ring.skip(pos, seq);
-        // The producer of `a` comes back too late: its message must go another way.
-        assert!(!ring.publish(a));
-        let Look::Took { pos, bytes } = ring.take() else { panic!() };
-        assert_eq!((pos, bytes.unwrap()), (b, b"second".to_vec()));
-        ring.done(pos);
-        assert_eq!(ring.first_open_window(), 0, "the window is not over");
-        assert!(ring.close_window());
-        assert!(ring.is_empty());
-        assert!(matches!(ring.take(), Look::Empty));
-        assert_eq!(ring.first_open_window(), 1, "closed and passed");
-        assert!(matches!(ring.claim(), Claim::At(p) if p == CELLS));
-    }
-
-    #[test]
-    fn a_length_a_peer_wrote_past_the_cell_is_refused() {
-        let seg = ring_segment();
-        // SAFETY: as above.
-        let ring = unsafe { Ring::new(&seg) };
-        ring.init();
-        let Claim::At(p) = ring.claim() else { panic!() };
-        ring.write(p, b"x");
-        ring.set_len_for_test(p, u32::MAX);
-        assert!(ring.publish(p));
-        assert!(matches!(ring.take(), Look::Took { bytes: Err(n), .. } if n == u32::MAX as usize));
-    }
-}
+mod tests;
