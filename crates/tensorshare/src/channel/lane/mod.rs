@@ -173,10 +173,12 @@ impl<'a> Ring<'a> {
         for _ in 0..4 * CELLS {
             let s = self.cell(t).seq.load(Ordering::Acquire);
             match s.wrapping_sub(t) as i64 {
+                // SeqCst, as `publish`: a process that starts waiting on the socket sees a
+                // claim in `is_empty`, or its claimant sees the flag (`watch_socket`).
                 0 => match tail.compare_exchange_weak(
                     t,
                     t.wrapping_add(1),
-                    Ordering::AcqRel,
+                    Ordering::SeqCst,
                     Ordering::Acquire,
                 ) {
                     Ok(_) => return Claim::At(t),
