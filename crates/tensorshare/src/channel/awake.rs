@@ -30,10 +30,16 @@ pub(crate) struct Bell {
     rung: AtomicU32,
     /// The CPU the last sender ran on (`u32::MAX`: unknown).
     cpu: AtomicU32,
-    /// Receivers asleep on `rung`, as they say (a killed one leaves the count high until a
-    /// wake-up finds nobody).
+    /// Receivers asleep on `rung`, as they say, in the low 16 bits (a killed one leaves the
+    /// count high until a wake-up finds nobody), and in the high 16 bits how many times a
+    /// receiver has counted itself (so that a count taken for stale is not one renewed
+    /// meanwhile).
     sleepers: AtomicU32,
 }
+
+/// One more sleeper, and one more registration (see `Bell::sleepers`).
+const SLEEPER: u32 = 1 | (1 << 16);
+const COUNT: u32 = 0xFFFF;
 
 impl Bell {
     /// How many records were written so far (wrapping): read before a look at the socket.
@@ -45,28 +51,34 @@ impl Bell {
     pub(crate) fn ring(&self) {
         self.cpu.store(current_cpu(), Ordering::Relaxed);
         self.rung.fetch_add(1, Ordering::SeqCst);
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
+        let seen = self.sleepers.load(Ordering::SeqCst);
+        if seen & COUNT > 0 {
             // Shared (not PRIVATE) futex: the word is in memory other processes map.
             let woken = rustix::thread::futex::wake(&self.rung, rustix::thread::futex::Flags::empty(), 1);
             if woken == Ok(0) {
                 // Nobody asleep although the count says so: it is stale (a sleeper was
-                // killed). One that counted itself but is not asleep yet sees `rung` moved
-                // and does not sleep.
-                self.sleepers.store(0, Ordering::SeqCst);
+                // killed), unless a receiver counted itself or left since it was read (the
+                // word moved): then it stays. One that counted itself but is not asleep yet
+                // sees `rung` moved and does not sleep.
+                let _ =
+                    self.sleepers.compare_exchange(seen, seen & !COUNT, Ordering::SeqCst, Ordering::Relaxed);
             }
         }
     }
 
     /// Sleeps until the bell rings after `rung` was read, or `timeout` passes.
     pub(super) fn sleep(&self, rung: u32, timeout: Duration) {
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Wrapping: the registrations in the high half may wrap (the count cannot reach it).
+        self.sleepers.fetch_add(SLEEPER, Ordering::SeqCst);
         let ts = rustix::thread::futex::Timespec {
             tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
             tv_nsec: timeout.subsec_nanos() as i64,
         };
         let _ =
             rustix::thread::futex::wait(&self.rung, rustix::thread::futex::Flags::empty(), rung, Some(&ts));
-        let _ = self.sleepers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        let _ = self
+            .sleepers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n & COUNT > 0).then(|| n - 1));
     }
 
     /// Whether the last sender ran on this CPU: then polling awake would only keep it (if it
@@ -154,6 +166,25 @@ mod tests {
     use super::*;
 
     const US: Duration = Duration::from_micros(1);
+
+    fn bell(sleepers: u32) -> Bell {
+        Bell { rung: AtomicU32::new(0), cpu: AtomicU32::new(u32::MAX), sleepers: AtomicU32::new(sleepers) }
+    }
+
+    /// A count left by sleepers that were killed in their sleep heals at the next ring that
+    /// wakes nobody; a sleep counts itself (and its registration) and uncounts itself.
+    #[test]
+    fn a_stale_sleeper_count_heals_and_a_sleep_counts_itself_once() {
+        let b = bell(3 | (7 << 16));
+        b.ring();
+        assert_eq!(b.sleepers.load(Ordering::SeqCst), 7 << 16, "healed, registrations kept");
+        b.sleep(b.rung(), Duration::from_millis(1));
+        assert_eq!(b.sleepers.load(Ordering::SeqCst), 8 << 16, "one more registration, no sleeper");
+        // A sleep on a value the bell has left returns at once.
+        let before = Instant::now();
+        b.sleep(b.rung().wrapping_sub(1), Duration::from_secs(5));
+        assert!(before.elapsed() < Duration::from_secs(5));
+    }
 
     #[test]
     fn patience_grows_to_catch_a_record_that_came_soon_after_the_sleep() {
