@@ -11,17 +11,8 @@ use tensorshare::{raw, spawn, Connection, DType, Queue, Tensor};
 
 tensorshare::enable_test_workers!();
 
-/// The creator hands out every other 4 KiB slot, twice as many as its arenas held, and
-/// writes 7.0 into each: a slot still held anywhere is never among them.
-fn hand_out_everything_else() -> Vec<Tensor> {
-    (0..4096)
-        .map(|_| {
-            let mut x = Tensor::empty_shared(&[1024], DType::F32).unwrap();
-            x.fill(7.0f32).unwrap();
-            x
-        })
-        .collect()
-}
+mod common;
+use common::hand_out_everything_else;
 
 fn relay_then_wait(_rank: usize, (from, q, done): (Connection<Vec<Tensor>>, Queue<Vec<Tensor>>, Queue<()>)) {
     let got = from.recv().unwrap();

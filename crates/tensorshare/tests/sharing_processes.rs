@@ -11,6 +11,7 @@ tensorshare::enable_test_workers!();
 
 #[macro_use]
 mod common;
+use common::hand_out_everything_else;
 
 /// One test per strategy from one body, each in a helper process of its own under the
 /// leak checker (no segment file left, no descriptor leaked).
@@ -516,18 +517,6 @@ fn spin_until(flag: &Tensor, v: i32) {
     while a.load(0) != v {
         std::hint::spin_loop();
     }
-}
-
-/// The creator hands out every other 4 KiB slot, twice as many as its arenas held, and
-/// writes 7.0 into each: a slot still held anywhere is never among them.
-fn hand_out_everything_else() -> Vec<Tensor> {
-    (0..4096)
-        .map(|_| {
-            let mut x = Tensor::empty_shared(&[1024], DType::F32).unwrap();
-            x.fill(7.0f32).unwrap();
-            x
-        })
-        .collect()
 }
 
 /// A relay passes a tensor on with the hold of the message that brought it (it takes no lock

@@ -276,20 +276,20 @@ impl Outbox {
                     if !st.feeding {
                         break;
                     }
-                    st = self
-                        .written
-                        .wait_timeout(st, Duration::from_millis(50))
-                        .map(|(g, _)| g)
-                        .unwrap_or_else(|p| p.into_inner().0);
+                    st = self.wait_written(st);
                 }
                 break;
             }
-            st = self
-                .written
-                .wait_timeout(st, Duration::from_millis(50))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            st = self.wait_written(st);
         }
+    }
+
+    /// Waits (at most 50 ms) for the feeder to write a record or to stop.
+    fn wait_written<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.written
+            .wait_timeout(st, Duration::from_millis(50))
+            .map(|(g, _)| g)
+            .unwrap_or_else(|p| p.into_inner().0)
     }
 }
 

@@ -162,3 +162,15 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// The creator hands out every other 4 KiB slot, twice as many as its arenas held, and
+/// writes 7.0 into each: a slot still held anywhere is never among them.
+pub fn hand_out_everything_else() -> Vec<Tensor> {
+    (0..4096)
+        .map(|_| {
+            let mut x = Tensor::empty_shared(&[1024], tensorshare::DType::F32).unwrap();
+            x.fill(7.0f32).unwrap();
+            x
+        })
+        .collect()
+}
