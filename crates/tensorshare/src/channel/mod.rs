@@ -1,6 +1,8 @@
 //! Channels between processes: [`Queue`], [`SimpleQueue`], [`pipe`] / [`Connection`], over
 //! AF_UNIX SOCK_SEQPACKET sockets with descriptors passed alongside (SCM_RIGHTS).
 
+#[cfg(feature = "mpi")]
+mod any_queue;
 mod awake;
 mod control;
 mod err;
@@ -14,6 +16,8 @@ mod queue_core;
 mod queue_lane;
 pub(crate) mod socket;
 
+#[cfg(feature = "mpi")]
+pub(crate) use any_queue::AnyQueue;
 pub use err::SendError;
 pub use fd::SharedFd;
 pub(crate) use frame::Outgoing;

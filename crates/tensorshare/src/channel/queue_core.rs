@@ -124,7 +124,11 @@ impl Core {
         self.put_ref(&value, deadline).map_err(|e| SendError::new(value, e))
     }
 
-    fn put_ref<T: Serialize>(self: &Arc<Core>, value: &T, deadline: Deadline) -> Result<()> {
+    pub(super) fn put_ref<T: Serialize + ?Sized>(
+        self: &Arc<Core>,
+        value: &T,
+        deadline: Deadline,
+    ) -> Result<()> {
         let msg = wire::encode_for_lane(value, super::lane::CELL_BYTES)?;
         if deadline.slice().is_none() && self.control.is_full() {
             // `try_put` on a full queue: no place now, so no framing (a large message would

@@ -1,6 +1,8 @@
 //! The node's links: two sockets between every pair of ranks of a node (one for `send` and
 //! `recv`, one for collectives, so that a message waiting for a `recv` never meets a
-//! collective), carrying tensorshare messages: tensors travel as arena handles.
+//! collective), carrying tensorshare messages: tensors travel as arena handles. `send`
+//! passes a queue for the pair on its socket once, and its values through the queue after
+//! (see `p2p`).
 //!
 //! A rank's sockets close when its process ends, however it ends: a peer that waits on it
 //! (in a receive, or at the board's barrier, which polls the sockets) gets an error that
@@ -9,6 +11,7 @@
 //! peer is also watched through a pidfd of its own process, which the kernel makes readable
 //! when that process ends, whatever still holds its sockets.
 
+use std::cell::RefCell;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
@@ -20,6 +23,7 @@ use super::board::Board;
 use super::topology::Topology;
 use super::DistError;
 use crate::channel::socket::{self, Deadline};
+use crate::channel::AnyQueue;
 use crate::{wire, Error, Result};
 
 /// Which of a pair's two sockets.
@@ -39,11 +43,27 @@ pub(super) struct Peer {
     pub(super) coll: Arc<OwnedFd>,
     /// A pidfd of its process, where the kernel gives one (else its sockets alone tell).
     pub(super) pidfd: Option<OwnedFd>,
+    /// How this rank's `send`s reach it (see `p2p`).
+    pub(super) route: RefCell<Route>,
+    /// The queue its `send`s come through, once it has sent one (see `p2p`).
+    pub(super) inbox: RefCell<Option<AnyQueue>>,
+}
+
+/// How `send` reaches a peer of the node.
+#[derive(Default)]
+pub(super) enum Route {
+    /// Nothing sent yet.
+    #[default]
+    Unset,
+    /// Through a queue this rank made for the pair and sent on the pair's `send` socket.
+    Queue(AnyQueue),
+    /// Through the socket itself (no queue could be made).
+    Socket,
 }
 
 impl Peer {
     /// Whether its process has ended (its pidfd is readable).
-    fn ended(&self) -> bool {
+    pub(super) fn ended(&self) -> bool {
         let Some(fd) = &self.pidfd else { return false };
         let mut fds = [PollFd::new(fd, PollFlags::IN)];
         let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
@@ -63,7 +83,7 @@ pub(super) struct NodeLinks {
 }
 
 impl NodeLinks {
-    fn peer(&self, local: usize) -> Result<&Peer> {
+    pub(super) fn peer(&self, local: usize) -> Result<&Peer> {
         self.peers.get(local).and_then(Option::as_ref).ok_or_else(|| {
             Error::invalid_argument("local rank", format!("{local} is this rank, or not a rank of this node"))
         })
@@ -136,7 +156,7 @@ impl NodeLinks {
 
     /// The rank to blame for `rank`'s absence: the one whose loss made it leave, if it left
     /// on purpose, so that every survivor names the rank that died.
-    fn cause(&self, topo: &Topology, rank: usize) -> usize {
+    pub(super) fn cause(&self, topo: &Topology, rank: usize) -> usize {
         let local = topo.local_index(rank);
         match local.and_then(|l| self.board.departed_for(l)) {
             Some(c) => topo.local_ranks().get(c).copied().unwrap_or(rank),
@@ -146,7 +166,7 @@ impl NodeLinks {
 }
 
 /// A hang-up from `rank` as the error that names it; other errors as they are.
-fn gone(e: Error, topo: &Topology, rank: usize, during: &str) -> Error {
+pub(super) fn gone(e: Error, topo: &Topology, rank: usize, during: &str) -> Error {
     match e {
         Error::Disconnected => Error::Dist(topo.gone(rank, during)),
         e => e,

@@ -90,14 +90,22 @@ fn single() -> Check<String> {
     Ok("a job of one rank".into())
 }
 
-/// Rank 2 kills itself while the others wait on it: in a receive (rank 1) and in a
-/// collective (ranks 0 and 3). Each must name rank 2, and stay broken. With `leave_fork`,
+/// Rank 2 kills itself while the others wait on it: in a receive through the queue rank 2
+/// made for the pair (rank 1), in a receive on the pair's socket (rank 3, to which rank 2
+/// never sent) and in a collective (rank 0). Each must name rank 2, and stay broken. With `leave_fork`,
 /// rank 2 first forks a child that holds its sockets open and outlives it (until the
 /// launcher that started rank 2 ends): its death must be seen all the same.
 fn dies(leave_fork: bool) -> Check<String> {
     let _session = dist::init().ctx("init")?;
     let rank = dist::rank().ctx("rank")?;
     ensure!(dist::world_size().ctx("size")? == 4, "this scenario runs on 4 ranks");
+    // Rank 2 has sent to rank 1 once: rank 1 then waits in the queue rank 2 made for the
+    // pair, rank 3 (never sent to) on the pair's socket.
+    match rank {
+        2 => dist::send(&7u64, 1).ctx("send to rank 1")?,
+        1 => ensure!(dist::recv::<u64>(2).ctx("recv from rank 2")? == 7, "rank 2's value"),
+        _ => {}
+    }
     dist::barrier().ctx("barrier")?;
     let e = match rank {
         2 => {
@@ -128,7 +136,7 @@ fn dies(leave_fork: bool) -> Check<String> {
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             return Err("still alive after SIGKILL".into());
         }
-        1 => dist::recv::<u64>(2).map(|_| ()).unwrap_err(),
+        1 | 3 => dist::recv::<u64>(2).map(|_| ()).unwrap_err(),
         _ => dist::all_reduce(&mut Tensor::zeros(&[16], DType::F32), dist::ReduceOp::Sum).unwrap_err(),
     };
     ensure!(matches!(&e, Error::Dist(DistError::RankGone { rank: 2, .. })), "{e}");

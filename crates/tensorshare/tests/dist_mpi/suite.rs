@@ -212,6 +212,24 @@ fn point_to_point(size: usize, rank: usize) -> Check<usize> {
             q.put(5).map_err(|e| e.to_string())?;
         }
         checks += 1;
+        // Small values (which the pair's queue carries in its lane) and large ones (which
+        // go through its socket), interleaved, arrive in the order sent.
+        let len = |i: u64| if i % 3 == 0 { 300_000 } else { 16 };
+        if rank == a {
+            for i in 0..120u64 {
+                dist::send(&(i, Tensor::full(&[len(i)], i as f32)), b).ctx("send in order")?;
+            }
+        } else if rank == b {
+            for i in 0..120u64 {
+                let (j, t): (u64, Tensor) = dist::recv(a).ctx("recv in order")?;
+                let v = t.to_vec::<f32>().ctx("values")?;
+                ensure!(
+                    j == i && v.len() == len(i) && v.iter().all(|&x| x == i as f32),
+                    "value {i} came as {j}"
+                );
+            }
+        }
+        checks += 1;
     }
     // Across nodes: tensors by value, queues refused.
     if topo.nodes().len() > 1 {
