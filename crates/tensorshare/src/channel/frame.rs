@@ -60,6 +60,7 @@ pub(crate) struct Outgoing {
 
 impl Outgoing {
     pub(crate) fn new(msg: Encoded) -> Result<Outgoing> {
+        let msg = msg.framed()?;
         let mut out = Outgoing { head: vec![0], msg, extra: Vec::new(), side: false };
         // One place stays free for a spill memfd.
         if out.msg.fds.len() >= MAX_FDS {

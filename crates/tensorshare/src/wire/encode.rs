@@ -28,6 +28,42 @@ pub(super) struct EncodeCtx {
     events: HashMap<u32, crate::cuda::IpcBytes>,
 }
 
+/// An `EncodeCtx`'s index maps, emptied.
+type Maps = (HashMap<i32, u32>, HashMap<*const Arena, u32>, HashMap<*const crate::storage::Inner, u32>);
+
+/// Most entries a spare map may have room for: a message of many storages does not leave
+/// its large maps to this thread for good.
+const SPARE_ROOM: usize = 64;
+
+thread_local! {
+    /// The index maps of the last message encoded on this thread, emptied, for the next:
+    /// a message of a few tensors would otherwise allocate three maps and free them.
+    static SPARE: std::cell::RefCell<Option<Maps>> = const { std::cell::RefCell::new(None) };
+}
+
+impl EncodeCtx {
+    fn new() -> EncodeCtx {
+        let (fd_index, segment_index, storage_index) =
+            SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
+        EncodeCtx { fd_index, segment_index, storage_index, ..EncodeCtx::default() }
+    }
+
+    /// Gives the index maps back for the next message, once they are no longer needed.
+    fn recycle_maps(&mut self) {
+        let mut maps = (
+            std::mem::take(&mut self.fd_index),
+            std::mem::take(&mut self.segment_index),
+            std::mem::take(&mut self.storage_index),
+        );
+        if maps.0.capacity().max(maps.1.capacity()).max(maps.2.capacity()) <= SPARE_ROOM {
+            maps.0.clear();
+            maps.1.clear();
+            maps.2.clear();
+            SPARE.with(|s| *s.borrow_mut() = Some(maps));
+        }
+    }
+}
+
 /// Turns `value` into a message: tensors become handles to shared memory. A private
 /// storage is moved into shared memory first, in place, for all of its handles (as torch
 /// does), so that the sender and the receiver see the same bytes.
@@ -65,7 +101,7 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     if ENCODING.with(|c| c.borrow().is_some()) {
         return Err(Error::Serialize("encode called while encoding another message".into()));
     }
-    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::default()));
+    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::new()));
     let reset = Reset;
     super::forget_reason();
     let payload = postcard::to_allocvec(value).map_err(|e| Error::Serialize(super::reason(e)));
@@ -94,15 +130,19 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
         }
         segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
     }
+    ctx.recycle_maps();
     let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
     let mut header = Header { nfds, segments, storages: ctx.storages };
     let lane = match lane_max {
         Some(max) if lane_ok => lane_form(&mut header, &payload, lane_arenas, max)?,
         _ => None,
     };
+    if lane.is_some() {
+        return Ok(Encoded { bytes: Vec::new(), fds: ctx.fds, lane, unframed: Some((header, payload)) });
+    }
     let mut bytes = header::frame(&header, payload.len())?;
     bytes.extend_from_slice(&payload);
-    Ok(Encoded { bytes, fds: ctx.fds, lane })
+    Ok(Encoded { bytes, fds: ctx.fds, lane, unframed: None })
 }
 
 /// The message with its arenas named by identity and no descriptor, if it fits `max`.

@@ -83,10 +83,14 @@ fn forget_reason() {
 /// A value turned into a message, not yet sent: its bytes and the descriptors that must
 /// travel with them.
 pub(crate) struct Encoded {
+    /// The message's bytes (empty while `unframed` holds them; see [`Encoded::framed`]).
     pub(crate) bytes: Vec<u8>,
     pub(crate) fds: Vec<FdSource>,
     /// The same message in a queue lane's form, when asked for and it fits one.
     pub(crate) lane: Option<LaneForm>,
+    /// A message with a lane form: its header and payload, framed into `bytes` only if the
+    /// lane does not take it (most of the time it does, and the framing would be wasted).
+    unframed: Option<(header::Header, Vec<u8>)>,
 }
 
 /// A message for a queue's lane (see `channel::lane`): its bytes name every arena by its
@@ -114,6 +118,20 @@ pub(crate) trait LaneArenas {
 }
 
 impl Encoded {
+    /// A message of `bytes` alone.
+    pub(crate) fn bytes_only(bytes: Vec<u8>) -> Encoded {
+        Encoded { bytes, fds: Vec::new(), lane: None, unframed: None }
+    }
+
+    /// The message with its bytes framed: what is sent through a socket.
+    pub(crate) fn framed(mut self) -> crate::Result<Encoded> {
+        if let Some((header, payload)) = self.unframed.take() {
+            self.bytes = header::frame(&header, payload.len())?;
+            self.bytes.extend_from_slice(&payload);
+        }
+        Ok(self)
+    }
+
     /// The descriptors, in table order.
     pub(crate) fn borrowed_fds(&self) -> Vec<BorrowedFd<'_>> {
         self.fds.iter().map(FdSource::fd).collect()

@@ -196,7 +196,7 @@ impl Inner {
         for _ in 0..=self.workers.len() {
             let Some(wi) = self.idle()? else { break };
             let w = &mut self.workers[wi];
-            let mut head = Outgoing::new(Encoded { bytes: head.bytes.clone(), fds: Vec::new(), lane: None })?;
+            let mut head = Outgoing::new(Encoded::bytes_only(head.bytes.clone()))?;
             let sent = socket::send_framed(w.sock.as_fd(), &mut head, Deadline::after(None), &|| true)
                 .and_then(|()| {
                     socket::send_framed(w.sock.as_fd(), &mut body, Deadline::after(None), &|| true)
