@@ -18,14 +18,26 @@ pub(crate) struct AnyQueue {
 }
 
 impl AnyQueue {
-    /// An unbounded queue.
-    pub(crate) fn new() -> Result<AnyQueue> {
-        Ok(AnyQueue { core: Core::create(None)? })
+    /// A queue of at most `capacity` values (at least 1).
+    pub(crate) fn with_capacity(capacity: u32) -> Result<AnyQueue> {
+        Ok(AnyQueue { core: Core::create(Some(capacity.max(1)))? })
     }
 
-    /// Puts a value; never waits for room (the queue is unbounded).
-    pub(crate) fn put<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
-        self.core.put_ref(value, Deadline::after(None))
+    /// Puts a value, waiting at most `timeout` for room: `Error::Timeout` after it.
+    pub(crate) fn put_timeout<T: Serialize + ?Sized>(&self, value: &T, timeout: Duration) -> Result<()> {
+        self.core.put_ref(value, Deadline::after(Some(timeout)))
+    }
+
+    /// Drops this handle. What this process put and has not written into the queue yet
+    /// is written first, while `readers` says that someone who would read it is left.
+    pub(crate) fn close_while(self, readers: &dyn Fn() -> bool) {
+        self.core.outbox.flush_while(readers);
+    }
+
+    /// Drops this handle and, unwritten, whatever this process put and has not written
+    /// into the queue yet: nobody will read it.
+    pub(crate) fn abandon(self) {
+        self.core.outbox.abandon();
     }
 
     /// Takes the next value as a `T`, waiting at most `timeout`: `Error::Timeout` after it,

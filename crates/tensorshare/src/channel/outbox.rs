@@ -257,6 +257,13 @@ impl Outbox {
     /// Waits until what this process put is written out, while another process holds the
     /// queue (otherwise nobody could ever read it, and the records go).
     pub(crate) fn flush_at_drop(&self) {
+        self.flush_while(&|| true);
+    }
+
+    /// As `flush_at_drop`, and the records go as soon as `readers` says that nobody who
+    /// would read them is left (for a holder that knows more than the queue does: a
+    /// process that died leaving a fork that holds the queue on).
+    pub(crate) fn flush_while(&self, readers: &dyn Fn() -> bool) {
         let control = &self.control;
         if !self.own() {
             return;
@@ -266,7 +273,7 @@ impl Outbox {
             if !st.feeding {
                 break; // records with no feeder (it could not start): nothing will write them
             }
-            if !control.others_alive() {
+            if !control.others_alive() || !readers() {
                 // Nobody can read them: they go, and so does what the feeder holds (a record
                 // waiting for room or for its gate keeps its descriptors, and the queue's
                 // socket, open), before this handle is gone.
@@ -282,6 +289,18 @@ impl Outbox {
             }
             st = self.wait_written(st);
         }
+    }
+
+    /// Drops every record still waiting, and makes the feeder drop the one it holds:
+    /// nobody will read them.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn abandon(&self) {
+        if !self.own() {
+            return;
+        }
+        let mut st = self.state();
+        st.records.clear();
+        st.abandoned = true;
     }
 
     /// Waits (at most 50 ms) for the feeder to write a record or to stop.

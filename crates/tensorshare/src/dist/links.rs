@@ -43,25 +43,39 @@ pub(super) struct Peer {
     pub(super) coll: Arc<OwnedFd>,
     /// A pidfd of its process, where the kernel gives one (else its sockets alone tell).
     pub(super) pidfd: Option<OwnedFd>,
+    /// How its `send`s reach this rank (see `p2p`).
+    pub(super) inbox: RefCell<Way>,
     /// How this rank's `send`s reach it (see `p2p`).
-    pub(super) route: RefCell<Route>,
-    /// The queue its `send`s come through, once it has sent one (see `p2p`).
-    pub(super) inbox: RefCell<Option<AnyQueue>>,
+    pub(super) route: RefCell<Way>,
 }
 
-/// How `send` reaches a peer of the node.
+/// How one rank's `send`s reach another of the node (see `p2p`).
 #[derive(Default)]
-pub(super) enum Route {
-    /// Nothing sent yet.
+pub(super) enum Way {
+    /// Nothing sent yet (the sender's first message on the pair's socket says which way).
     #[default]
     Unset,
-    /// Through a queue this rank made for the pair and sent on the pair's `send` socket.
+    /// Through a queue the sender made for the pair and sent on the pair's `send` socket.
     Queue(AnyQueue),
-    /// Through the socket itself (no queue could be made).
+    /// Through the socket itself (the sender could make no queue).
     Socket,
+    /// Nowhere: the receiver could not receive the sender's first message, so it cannot
+    /// know where the values after it go. Every `recv` from the sender fails with this.
+    Lost(String),
 }
 
 impl Peer {
+    /// Whether its process has ended (its pidfd is readable) or closed its `send` socket
+    /// (it ended, or left the process group; a fork that tensorshare started does not keep
+    /// the socket open, as a plain `fork` would).
+    pub(super) fn gone(&self) -> bool {
+        let mut fds = [PollFd::new(self.p2p.as_ref(), PollFlags::RDHUP)];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        let hung_up = matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+            && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR);
+        hung_up || self.ended()
+    }
+
     /// Whether its process has ended (its pidfd is readable).
     pub(super) fn ended(&self) -> bool {
         let Some(fd) = &self.pidfd else { return false };
@@ -161,6 +175,42 @@ impl NodeLinks {
         match local.and_then(|l| self.board.departed_for(l)) {
             Some(c) => topo.local_ranks().get(c).copied().unwrap_or(rank),
             None => rank,
+        }
+    }
+}
+
+impl NodeLinks {
+    /// Whether local rank `local` is gone: its process ended, it left the process group,
+    /// or it closed its sockets.
+    pub(super) fn gone_now(&self, local: usize) -> bool {
+        self.board.departed_for(local).is_some() || self.peer(local).is_ok_and(Peer::gone)
+    }
+
+    /// Drops the values this rank sent that nobody has received yet and will not: the
+    /// process group is broken.
+    pub(super) fn abandon_routes(&self) {
+        for p in self.peers.iter().flatten() {
+            if let Way::Queue(q) = p.route.take() {
+                q.abandon();
+            }
+        }
+    }
+}
+
+impl Drop for NodeLinks {
+    /// Every pair's queue in, then every pair's queue out: a rank's values still on their
+    /// way are written while their receiver is there to take them. In that order, so that
+    /// two ranks that each wait for the other to let go of a queue cannot wait forever.
+    fn drop(&mut self) {
+        for p in self.peers.iter().flatten() {
+            drop(p.inbox.take());
+        }
+        for (local, p) in self.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
+            if let Way::Queue(q) = p.route.take() {
+                let board = &self.board;
+                q.close_while(&|| board.departed_for(local).is_none() && !p.gone());
+            }
         }
     }
 }

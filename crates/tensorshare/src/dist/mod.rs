@@ -2,8 +2,8 @@
 //!
 //! A job is ranks started by an MPI launcher (`mpirun -np 4 prog`; a program started alone
 //! is a job of one rank). Ranks on one node share memory: values they send each other are
-//! tensorshare messages on the node's own sockets, so tensors travel as arena handles, never
-//! copied, exactly as through a [`Queue`](crate::Queue). Ranks on different nodes send
+//! tensorshare messages through a queue for each pair of ranks, so tensors travel as arena
+//! handles, never copied, exactly as through a [`Queue`](crate::Queue). Ranks on different nodes send
 //! through MPI, tensors by value. Collectives are hierarchical: within each node through
 //! shared memory, across nodes among one leader per node through MPI.
 //!
@@ -119,8 +119,11 @@ pub fn topology() -> Result<Topology> {
 /// same elements), to a rank on another node by value. Queues and pipes inside `value`
 /// reach ranks of this node only. Values from one rank to another arrive in order.
 ///
-/// Waits while the destination cannot take more; fails with [`DistError::RankGone`] if it
-/// is a rank of this node that is gone.
+/// Returns once the value is on its way, not when it is received. To a rank of this node,
+/// waits while 64 values this rank sent it are still unreceived, and fails with
+/// [`DistError::RankGone`] if that rank is seen gone; a value sent to a rank that dies
+/// before receiving it is lost, and the next [`recv`] from that rank, or the next
+/// collective, names it.
 pub fn send<T: Serialize + ?Sized>(value: &T, dst: usize) -> Result<()> {
     let during = format!("send to rank {dst}");
     state::point_to_point(&during, |st| p2p::send(st, value, dst, &during))

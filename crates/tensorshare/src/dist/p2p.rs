@@ -2,45 +2,50 @@
 //! to a rank of another node as bytes through MPI (tensors by value).
 //!
 //! Between two ranks of a node, a rank's first `send` to the other makes a queue for the
-//! pair and sends it on the pair's `send` socket; that `send` and every later one put
-//! their values into the queue, whose lane carries a small message with no system call
-//! while the receiver is awake (see `channel::lane`). The receiver reads the socket until
-//! the queue comes, and the queue from then on, so values arrive in the order sent. A rank
-//! that cannot make a queue (shared memory full) sends on the socket instead.
+//! pair and sends it, as the first message on the pair's `send` socket; that `send` and
+//! every later one put their values into the queue, whose lane carries a small message with
+//! no system call while the receiver is awake (see `channel::lane`). A rank that cannot make
+//! a queue (shared memory full) says so instead, and sends its values on the socket. The
+//! receiver reads that first message, then the values from wherever it says. A first
+//! message the receiver cannot receive (at its descriptor limit, say) leaves it unable to
+//! know where the values are: every `recv` from that rank then fails, saying why.
 //!
-//! A receiver waiting in the queue learns that the sender is gone as it does on the
-//! socket: the queue has no other holder left once the sender's process has ended, or
-//! (where a fork of it holds the queue on) the sender's pidfd says so, looked at every
-//! `WATCH`.
+//! The queue holds at most `IN_FLIGHT` values: a `send` waits while that many wait
+//! unreceived, as one waited for room in the socket. Whoever waits, in a `send` or a
+//! `recv`, looks every `WATCH` whether the other rank is gone: its process ended (its
+//! pidfd, which a fork of it holding the queue does not hide), or it closed its sockets or
+//! left the process group. The queue alone would not tell: a fork of a rank holds it on.
 
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::links::{self, Channel, NodeLinks, Route};
+use super::links::{self, Channel, NodeLinks, Way};
 use super::net;
 use super::state::State;
 use super::topology::Topology;
+use super::DistError;
 use crate::channel::AnyQueue;
 use crate::{wire, Error, Result};
 
-/// How often a receiver waiting in a pair's queue looks whether the sender has ended.
+/// How often a rank waiting for another in a pair's queue looks whether it is gone.
 const WATCH: Duration = Duration::from_millis(50);
+/// Most values a pair's queue holds unreceived.
+const IN_FLIGHT: u32 = 64;
 
-/// What a pair's `send` socket carries.
+/// The first message on a pair's `send` socket: where the values after it go.
 #[derive(Serialize)]
-enum Out<'a, T: ?Sized> {
-    Value(&'a T),
-    /// The queue the values after it come through.
+enum HelloOut<'a> {
     Queue(&'a AnyQueue),
+    Socket,
 }
 
-/// What a pair's `send` socket carries, as received (the variants of `Out`, in order).
+/// `HelloOut` as received (the same variants, in the same order).
 #[derive(Deserialize)]
-enum In<T> {
-    Value(T),
+enum HelloIn {
     Queue(AnyQueue),
+    Socket,
 }
 
 /// The other rank `rank` names, checked.
@@ -86,24 +91,34 @@ fn send_local<T: Serialize + ?Sized>(
 ) -> Result<()> {
     let peer = links.peer(local)?;
     let mut route = peer.route.borrow_mut();
-    if matches!(*route, Route::Unset) {
-        *route = match AnyQueue::new() {
+    if matches!(*route, Way::Unset) {
+        let way = match AnyQueue::with_capacity(IN_FLIGHT) {
             Ok(q) => {
-                links.send(topo, local, Channel::P2p, &Out::<()>::Queue(&q), during)?;
-                Route::Queue(q)
+                links.send(topo, local, Channel::P2p, &HelloOut::Queue(&q), during)?;
+                Way::Queue(q)
             }
-            // The socket carries values as well, only with a system call each.
-            Err(_) => Route::Socket,
+            Err(_) => {
+                links.send(topo, local, Channel::P2p, &HelloOut::Socket, during)?;
+                Way::Socket
+            }
         };
+        *route = way;
     }
-    match &*route {
-        Route::Queue(q) => q.put(value),
-        _ => links.send(topo, local, Channel::P2p, &Out::Value(value), during),
+    let Way::Queue(q) = &*route else {
+        return links.send(topo, local, Channel::P2p, value, during);
+    };
+    loop {
+        match q.put_timeout(value, WATCH) {
+            Err(Error::Timeout) if !links.gone_now(local) => continue,
+            Err(Error::Timeout | Error::Disconnected) => {
+                return Err(links::gone(Error::Disconnected, topo, links.cause(topo, peer.rank), during))
+            }
+            r => return r,
+        }
     }
 }
 
-/// Receives a value from local rank `local`: from the pair's socket until the sender's
-/// queue comes, from the queue after.
+/// Receives a value from local rank `local`: from where the first message from it says.
 fn recv_local<T: DeserializeOwned>(
     links: &NodeLinks,
     topo: &Topology,
@@ -112,16 +127,26 @@ fn recv_local<T: DeserializeOwned>(
 ) -> Result<T> {
     let peer = links.peer(local)?;
     let mut inbox = peer.inbox.borrow_mut();
-    let q = match &mut *inbox {
-        Some(q) => q,
-        slot @ None => match links.recv::<In<T>>(topo, local, Channel::P2p, during)? {
-            In::Value(v) => return Ok(v),
-            In::Queue(q) => slot.insert(q),
-        },
+    if matches!(*inbox, Way::Unset) {
+        *inbox = match links.recv::<HelloIn>(topo, local, Channel::P2p, during) {
+            Ok(HelloIn::Queue(q)) => Way::Queue(q),
+            Ok(HelloIn::Socket) => Way::Socket,
+            Err(e) if links::is_gone(&e) => return Err(e),
+            Err(e) => Way::Lost(format!(
+                "rank {}'s first message to this rank, which says where its values go, could not be \
+                 received ({e}): nothing it sends can be received",
+                peer.rank
+            )),
+        };
+    }
+    let q = match &*inbox {
+        Way::Queue(q) => q,
+        Way::Lost(why) => return Err(DistError::Broken(why.clone()).into()),
+        _ => return links.recv::<T>(topo, local, Channel::P2p, during),
     };
     loop {
         match q.get_timeout::<T>(WATCH) {
-            Err(Error::Timeout) if !peer.ended() => continue,
+            Err(Error::Timeout) if !links.gone_now(local) => continue,
             Err(Error::Timeout | Error::Disconnected) => {
                 return Err(links::gone(Error::Disconnected, topo, links.cause(topo, peer.rank), during))
             }

@@ -149,8 +149,8 @@ fn peers(topo: &Topology, links: Ends) -> Vec<Option<Peer>> {
                 p2p: p.socket().clone(),
                 coll: c.socket().clone(),
                 pidfd: pidfd(topo, rank),
-                route: Default::default(),
                 inbox: Default::default(),
+                route: Default::default(),
             })
         })
         .collect()

@@ -95,6 +95,9 @@ impl State {
                 _ => me,
             };
             links.board.depart(me, cause);
+            // What this rank sent and nobody received will not be: it goes now, without
+            // waiting for receivers that may never come.
+            links.abandon_routes();
         }
         self.broken.get_or_insert(why);
         self.links = None;

@@ -54,6 +54,44 @@ pub fn run(name: &str) -> i32 {
     }
 }
 
+/// Forks a child that holds everything this process holds (its sockets, its queues) and
+/// lives until the launcher that started this rank ends.
+fn leave_a_fork() -> Check {
+    let launcher = rustix::process::getppid().ok_or("this rank has no parent")?;
+    // SAFETY: the child makes only system calls (open, dup2, pidfd_open, poll) and _exits;
+    // it touches nothing another thread of this process could have left half done.
+    if unsafe { libc::fork() } == 0 {
+        // Off the launcher's output pipes, which it drains before it ends.
+        // SAFETY: open and dup2 of descriptors this child owns.
+        unsafe {
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+            for std in 0..3 {
+                libc::dup2(null, std);
+            }
+        }
+        if let Ok(fd) = rustix::process::pidfd_open(launcher, rustix::process::PidfdFlags::empty()) {
+            let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+            let _ = rustix::event::poll(&mut fds, None);
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    Ok(())
+}
+
+/// Waits until process `pid` has ended.
+fn wait_for_end(pid: i32) -> Check {
+    let pid = rustix::process::Pid::from_raw(pid).ok_or("no such pid")?;
+    let fd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::SRCH) => return Ok(()),
+        Err(e) => return Err(format!("pidfd_open: {e}")),
+    };
+    let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+    while matches!(rustix::event::poll(&mut fds, None), Err(rustix::io::Errno::INTR)) {}
+    Ok(())
+}
+
 /// Whether `e` is `NotInitialized` and says `words`.
 pub fn not_initialized(e: Error, words: &str) -> Check {
     let text = e.to_string();
@@ -92,52 +130,58 @@ fn single() -> Check<String> {
 
 /// Rank 2 kills itself while the others wait on it: in a receive through the queue rank 2
 /// made for the pair (rank 1), in a receive on the pair's socket (rank 3, to which rank 2
-/// never sent) and in a collective (rank 0). Each must name rank 2, and stay broken. With `leave_fork`,
-/// rank 2 first forks a child that holds its sockets open and outlives it (until the
-/// launcher that started rank 2 ends): its death must be seen all the same.
+/// never sent) and in a collective (rank 0). Each must name rank 2, and stay broken.
+///
+/// With `leave_fork`, rank 2 first forks a child that holds its sockets and queues open and
+/// outlives it (until the launcher that started rank 2 ends): its death must be seen all
+/// the same. Rank 0 forks such a child too, and rank 3 waits in a receive through the queue
+/// rank 0 made for the pair instead: rank 0 leaves the process group when its collective
+/// fails, and stays alive until rank 3 has ended, so only its departure can tell rank 3.
 fn dies(leave_fork: bool) -> Check<String> {
     let _session = dist::init().ctx("init")?;
     let rank = dist::rank().ctx("rank")?;
     ensure!(dist::world_size().ctx("size")? == 4, "this scenario runs on 4 ranks");
     // Rank 2 has sent to rank 1 once: rank 1 then waits in the queue rank 2 made for the
-    // pair, rank 3 (never sent to) on the pair's socket.
+    // pair. Rank 1 also sends rank 2 values it will never receive: once rank 1 knows rank 2
+    // is gone, it must not wait to write them out (rank 2's fork holds the queue on).
+    let mut rank_3 = None;
     match rank {
         2 => dist::send(&7u64, 1).ctx("send to rank 1")?,
-        1 => ensure!(dist::recv::<u64>(2).ctx("recv from rank 2")? == 7, "rank 2's value"),
+        1 => {
+            ensure!(dist::recv::<u64>(2).ctx("recv from rank 2")? == 7, "rank 2's value");
+            dist::send(&8u64, 2).ctx("a small value to rank 2")?;
+            dist::send(&Tensor::zeros(&[300_000], DType::F32), 2).ctx("a large value to rank 2")?;
+        }
+        0 if leave_fork => {
+            dist::send(&9u64, 3).ctx("send to rank 3")?;
+            rank_3 = Some(dist::recv::<i32>(3).ctx("rank 3's pid")?);
+            leave_a_fork()?;
+        }
+        3 if leave_fork => {
+            ensure!(dist::recv::<u64>(0).ctx("recv from rank 0")? == 9, "rank 0's value");
+            dist::send(&(std::process::id() as i32), 0).ctx("send the pid")?;
+        }
         _ => {}
     }
     dist::barrier().ctx("barrier")?;
     let e = match rank {
         2 => {
             if leave_fork {
-                let launcher = rustix::process::getppid().ok_or("rank 2 has no parent")?;
-                // SAFETY: the child makes only system calls (pidfd_open, poll) and _exits; it
-                // touches nothing another thread of this process could have left half done.
-                if unsafe { libc::fork() } == 0 {
-                    // Off the launcher's output pipes, which it drains before it ends.
-                    // SAFETY: open and dup2 of descriptors this child owns.
-                    unsafe {
-                        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-                        for std in 0..3 {
-                            libc::dup2(null, std);
-                        }
-                    }
-                    if let Ok(fd) =
-                        rustix::process::pidfd_open(launcher, rustix::process::PidfdFlags::empty())
-                    {
-                        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
-                        let _ = rustix::event::poll(&mut fds, None);
-                    }
-                    // SAFETY: ends the child without running the parent's exit handlers.
-                    unsafe { libc::_exit(0) };
-                }
+                leave_a_fork()?;
             }
             // SAFETY: kill has no memory preconditions; the process ends here.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             return Err("still alive after SIGKILL".into());
         }
+        3 if leave_fork => dist::recv::<u64>(0).map(|_| ()).unwrap_err(),
         1 | 3 => dist::recv::<u64>(2).map(|_| ()).unwrap_err(),
-        _ => dist::all_reduce(&mut Tensor::zeros(&[16], DType::F32), dist::ReduceOp::Sum).unwrap_err(),
+        _ => {
+            let e = dist::all_reduce(&mut Tensor::zeros(&[16], DType::F32), dist::ReduceOp::Sum).unwrap_err();
+            if let Some(pid) = rank_3 {
+                wait_for_end(pid)?;
+            }
+            e
+        }
     };
     ensure!(matches!(&e, Error::Dist(DistError::RankGone { rank: 2, .. })), "{e}");
     let again = dist::barrier().unwrap_err();

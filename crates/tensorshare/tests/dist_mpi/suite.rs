@@ -342,6 +342,21 @@ fn lying_heads(rank: usize) -> Check<usize> {
     Ok(lies.len())
 }
 
+/// Ranks 0 and 1, each holding the queue the other made for the pair, send each other
+/// values, small (through the lane) and large (through the queue's socket, once the small
+/// one is taken), that nobody receives: the session still ends on both when they drop it.
+fn unreceived(rank: usize) -> Check<usize> {
+    if rank < 2 {
+        let other = 1 - rank;
+        dist::send(&1u64, other).ctx("a value")?;
+        ensure!(dist::recv::<u64>(other).ctx("the other's value")? == 1, "the other's value");
+        dist::send(&2u64, other).ctx("a small value")?;
+        dist::send(&Tensor::zeros(&[300_000], DType::F32), other).ctx("a large value")?;
+    }
+    dist::barrier().ctx("barrier")?;
+    Ok(1)
+}
+
 pub fn node() -> Check<String> {
     not_initialized(dist::rank().unwrap_err(), "call tensorshare::dist::init() first")?;
     let session = dist::init().ctx("init")?;
@@ -354,7 +369,8 @@ pub fn node() -> Check<String> {
         + point_to_point(size, rank)?
         + lying_heads(rank)?
         + collectives(size, rank)?
-        + workers(size)?;
+        + workers(size)?
+        + unreceived(rank)?;
     drop(session);
     not_initialized(dist::rank().unwrap_err(), "session ended")?;
     Ok(format!("{checks} checks on one node"))
