@@ -40,6 +40,12 @@ impl AnyQueue {
         self.core.outbox.abandon();
     }
 
+    /// Whether this is this process's only handle of the queue (a queue received from a
+    /// peer that this process held already is not one the peer made for it).
+    pub(crate) fn only_handle(&self) -> bool {
+        Arc::strong_count(&self.core) == 1
+    }
+
     /// Takes the next value as a `T`, waiting at most `timeout`: `Error::Timeout` after it,
     /// `Disconnected` once the queue is empty and no other handle is left to put.
     pub(crate) fn get_timeout<T: DeserializeOwned>(&self, timeout: Duration) -> Result<T> {

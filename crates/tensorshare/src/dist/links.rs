@@ -121,7 +121,7 @@ impl NodeLinks {
         let peer = self.peer(local)?;
         let msg = wire::encode(value)?;
         // A closed peer shows as EPIPE; one whose sockets a fork holds, through its pidfd.
-        socket::send(fd.as_fd(), msg, Deadline::after(None), &|| !peer.ended())
+        socket::send(fd.as_fd(), msg, Deadline::after(None), &|| !self.left(local, peer))
             .map_err(|e| gone(e, topo, self.cause(topo, rank), during))?;
         if let Some(bell) = self.board.bell(local, ch as usize) {
             bell.ring();
@@ -142,8 +142,9 @@ impl NodeLinks {
         let peer = self.peer(local)?;
         let awake = (self.board.bell(self.me, ch as usize))
             .map(|bell| socket::Awake { bell, patience: &self.patience[ch as usize] });
-        let record = socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| !peer.ended(), awake)
-            .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
+        let record =
+            socket::recv_taken(fd.as_fd(), Deadline::after(None), &|| !self.left(local, peer), awake)
+                .map_err(|e| gone(e, topo, self.cause(topo, rank), during))??;
         record.decode_received()
     }
 
@@ -161,7 +162,12 @@ impl NodeLinks {
             Err(e) => return Err(Error::io("poll of the node's sockets", e)),
         }
         for (fd, p) in fds.iter().zip(&present) {
-            if fd.revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) || p.ended() {
+            let local = topo.local_index(p.rank);
+            let departed = local.is_some_and(|l| self.board.departed_for(l).is_some());
+            if fd.revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+                || departed
+                || p.ended()
+            {
                 return Err(topo.gone(self.cause(topo, p.rank), during).into());
             }
         }
@@ -186,6 +192,12 @@ impl NodeLinks {
         self.board.departed_for(local).is_some() || self.peer(local).is_ok_and(Peer::gone)
     }
 
+    /// Whether local rank `local` (`peer`) ended or left the process group (a fork of it may
+    /// still hold its sockets).
+    fn left(&self, local: usize, peer: &Peer) -> bool {
+        self.board.departed_for(local).is_some() || peer.ended()
+    }
+
     /// Drops the values this rank sent that nobody has received yet and will not: the
     /// process group is broken.
     pub(super) fn abandon_routes(&self) {
@@ -198,18 +210,27 @@ impl NodeLinks {
 }
 
 impl Drop for NodeLinks {
-    /// Every pair's queue in, then every pair's queue out: a rank's values still on their
-    /// way are written while their receiver is there to take them. In that order, so that
-    /// two ranks that each wait for the other to let go of a queue cannot wait forever.
+    /// This rank leaves the group (on the board, unless it left already, saying why), so
+    /// that a rank waiting for it stops waiting; then every pair's queue in is let go of,
+    /// then every pair's queue out: a rank's values still on their way are written while
+    /// their receiver is there to take them (not while the thread panics: then they go). In
+    /// that order, so that two ranks that each wait for the other to let go of a queue
+    /// cannot wait forever, and a rank that waits for this one to take part in something
+    /// fails instead of keeping this one waiting.
     fn drop(&mut self) {
+        if self.board.departed_for(self.me).is_none() {
+            self.board.depart(self.me, self.me);
+        }
         for p in self.peers.iter().flatten() {
             drop(p.inbox.take());
         }
+        let panicking = std::thread::panicking();
         for (local, p) in self.peers.iter().enumerate() {
             let Some(p) = p else { continue };
-            if let Way::Queue(q) = p.route.take() {
-                let board = &self.board;
-                q.close_while(&|| board.departed_for(local).is_none() && !p.gone());
+            match p.route.take() {
+                Way::Queue(q) if panicking => q.abandon(),
+                Way::Queue(q) => q.close_while(&|| self.board.departed_for(local).is_none() && !p.gone()),
+                _ => {}
             }
         }
     }

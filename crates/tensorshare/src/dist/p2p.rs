@@ -8,7 +8,8 @@
 //! a queue (shared memory full) says so instead, and sends its values on the socket. The
 //! receiver reads that first message, then the values from wherever it says. A first
 //! message the receiver cannot receive (at its descriptor limit, say) leaves it unable to
-//! know where the values are: every `recv` from that rank then fails, saying why.
+//! know where the values are: the `recv` fails, saying why, and breaks the process group
+//! (so that the sender, whose values nobody can take, hears of it too).
 //!
 //! The queue holds at most `IN_FLIGHT` values: a `send` waits while that many wait
 //! unreceived, as one waited for room in the socket. Whoever waits, in a `send` or a
@@ -129,7 +130,12 @@ fn recv_local<T: DeserializeOwned>(
     let mut inbox = peer.inbox.borrow_mut();
     if matches!(*inbox, Way::Unset) {
         *inbox = match links.recv::<HelloIn>(topo, local, Channel::P2p, during) {
-            Ok(HelloIn::Queue(q)) => Way::Queue(q),
+            Ok(HelloIn::Queue(q)) if q.only_handle() => Way::Queue(q),
+            Ok(HelloIn::Queue(_)) => Way::Lost(format!(
+                "rank {}'s first message to this rank names a queue this rank holds already, not one \
+                 made for the pair: nothing it sends can be received",
+                peer.rank
+            )),
             Ok(HelloIn::Socket) => Way::Socket,
             Err(e) if links::is_gone(&e) => return Err(e),
             Err(e) => Way::Lost(format!(
@@ -147,9 +153,13 @@ fn recv_local<T: DeserializeOwned>(
     loop {
         match q.get_timeout::<T>(WATCH) {
             Err(Error::Timeout) if !links.gone_now(local) => continue,
-            Err(Error::Timeout | Error::Disconnected) => {
-                return Err(links::gone(Error::Disconnected, topo, links.cause(topo, peer.rank), during))
-            }
+            // A value may have come just before the sender went.
+            Err(Error::Timeout | Error::Disconnected) => match q.get_timeout::<T>(Duration::ZERO) {
+                Err(Error::Timeout | Error::Disconnected) => {
+                    return Err(links::gone(Error::Disconnected, topo, links.cause(topo, peer.rank), during))
+                }
+                r => return r,
+            },
             r => return r,
         }
     }

@@ -117,12 +117,13 @@ pub(super) fn collective<R>(during: &str, f: impl FnOnce(&mut State) -> Result<R
     })
 }
 
-/// Runs a `send` or `recv`: a rank gone breaks the group, other failures do not.
+/// Runs a `send` or `recv`: a rank gone, or a pair that cannot carry values any more,
+/// breaks the group; other failures do not.
 pub(super) fn point_to_point<R>(during: &str, f: impl FnOnce(&mut State) -> Result<R>) -> Result<R> {
     with(|st| {
         let r = f(st);
         if let Err(e) = &r {
-            if links::is_gone(e) {
+            if links::is_gone(e) || matches!(e, Error::Dist(DistError::Broken(_))) {
                 st.break_with(e, during);
             }
         }
@@ -188,9 +189,13 @@ pub(super) fn topology() -> Result<Arc<Topology>> {
 /// While it lives, this process is a rank of the job and the functions of
 /// [`dist`](crate::dist) work on the thread that made it. Dropping it ends the process
 /// group and finalises MPI (torch's `destroy_process_group`), a collective step: every
-/// rank drops its session. After a failure that broke the group, or while the thread
-/// panics, the drop does not finalise MPI (that would wait for ranks that are gone): the
-/// process exits without, which `mpirun` reports.
+/// rank drops its session. The node's other ranks see this rank leave at once: one that
+/// waits for it (in a `recv`, a collective, or a `send` to it) fails with
+/// [`DistError::RankGone`] naming it. Values it sent that are still on their way (a large
+/// one behind small ones not yet received) are written first, while their receiver has
+/// not ended or left; while the thread panics they are dropped. After a failure that broke
+/// the group, or while the thread panics, the drop does not finalise MPI (that would wait
+/// for ranks that are gone): the process exits without, which `mpirun` reports.
 #[must_use = "dropping the session ends MPI: keep it as long as the program uses dist"]
 pub struct Session {
     /// MPI runs on the thread that initialised it: the session stays there.

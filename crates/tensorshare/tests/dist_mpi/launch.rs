@@ -218,6 +218,52 @@ pub fn a_rank_that_dies_leaving_a_fork_is_named_by_the_others() -> Outcome {
     Outcome::Passed
 }
 
+/// Runs `scenario` (see `ranks::goes`) on 4 ranks with `--enable-recovery`: passed once
+/// each rank of `reports` printed its ok line with the words given.
+fn goes(tag: &str, scenario: &str, reports: &[(usize, &str)]) -> Outcome {
+    let scratch = Scratch::new(tag);
+    let mut cmd = Command::new(mpirun_program());
+    environment(&mut cmd, &scratch);
+    cmd.args(mpirun_args(&scratch)).args([
+        "--oversubscribe",
+        "--enable-recovery",
+        "-np",
+        "4",
+        &exe(),
+        "--scenario",
+        scenario,
+    ]);
+    let out = match run(cmd) {
+        Ok((_, out)) => out,
+        Err(e) => return Outcome::Failed(e),
+    };
+    for &(r, words) in reports {
+        let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
+            return Outcome::Failed(format!("rank {r} did not report\n{out}"));
+        };
+        if !line.contains(words) {
+            return Outcome::Failed(format!("rank {r} did not say {words:?}: {line}\n{out}"));
+        }
+    }
+    let left = scratch.leftovers(&[]);
+    if !left.is_empty() {
+        return Outcome::Failed(format!("the run left {left:?} behind\n{out}"));
+    }
+    Outcome::Passed
+}
+
+/// Rank 0 panics with values on their way to rank 1, which waits at a barrier: every other
+/// rank names rank 0 (rank 0 does not wait for rank 1 to take its values).
+pub fn a_rank_that_panics_with_values_on_their_way_is_named() -> Outcome {
+    goes("panics", "panics", &[(1, "rank 0 (pid"), (2, "rank 0 (pid"), (3, "rank 0 (pid")])
+}
+
+/// Rank 3 ends its session with values on their way to rank 2, which keeps sending to it:
+/// rank 2 names rank 3 (neither waits for the other to take its values).
+pub fn a_rank_that_ends_its_session_while_another_sends_is_named() -> Outcome {
+    goes("ends", "ends", &[(2, "rank 3 (pid"), (3, "ended its session")])
+}
+
 /// Whether a run in which rank 2 died says so: mpirun's own report names it, or a survivor
 /// that mpirun noticed first printed the `RankGone` naming it; and no rank 2 reported ok.
 fn names_rank_2(out: &str) -> bool {

@@ -74,5 +74,13 @@ const TESTS: &[(&str, Test)] = &[
         "a_rank_that_dies_leaving_a_fork_is_named_by_the_others",
         launch::a_rank_that_dies_leaving_a_fork_is_named_by_the_others,
     ),
+    (
+        "a_rank_that_panics_with_values_on_their_way_is_named",
+        launch::a_rank_that_panics_with_values_on_their_way_is_named,
+    ),
+    (
+        "a_rank_that_ends_its_session_while_another_sends_is_named",
+        launch::a_rank_that_ends_its_session_while_another_sends_is_named,
+    ),
     ("two_nodes_in_network_namespaces", launch::two_nodes_in_network_namespaces),
 ];

@@ -38,6 +38,8 @@ pub fn run(name: &str) -> i32 {
         "single" => single(),
         "dies" => dies(false),
         "dies_leaving_a_fork" => dies(true),
+        "panics" => goes(true),
+        "ends" => goes(false),
         other => Err(format!("no scenario {other:?}")),
     };
     // The launcher's word (a session may have ended); a job without mpirun is rank 0.
@@ -52,6 +54,59 @@ pub fn run(name: &str) -> i32 {
             1
         }
     }
+}
+
+/// A rank goes while another waits on it, with values on their way to that other: with
+/// `panic`, rank 0 panics with values for rank 1, and ranks 1 to 3 wait at a barrier; else
+/// rank 3 ends its session with values for rank 2, which keeps sending to it. The ranks
+/// left must name the rank that went: the going rank must not wait for its values to be
+/// taken by ranks that will not take them (which wait for it in turn).
+fn goes(panic: bool) -> Check<String> {
+    let session = dist::init().ctx("init")?;
+    let rank = dist::rank().ctx("rank")?;
+    ensure!(dist::world_size().ctx("size")? == 4, "this scenario runs on 4 ranks");
+    // Ranks 2 and 3 each hold the queue the other made for the pair.
+    if !panic && rank >= 2 {
+        let other = 5 - rank;
+        dist::send(&1u64, other).ctx("a value")?;
+        ensure!(dist::recv::<u64>(other).ctx("the other's value")? == 1, "the other's value");
+    }
+    dist::barrier().ctx("barrier")?;
+    let big = || Tensor::zeros(&[300_000], DType::F32);
+    let (e, gone) = match (panic, rank) {
+        (true, 0) => {
+            dist::send(&2u64, 1).ctx("a small value")?;
+            dist::send(&big(), 1).ctx("a large value")?;
+            panic!("rank 0 fails on purpose");
+        }
+        (true, _) => (dist::barrier().unwrap_err(), 0),
+        (false, 3) => {
+            dist::send(&2u64, 2).ctx("a small value")?;
+            dist::send(&big(), 2).ctx("a large value")?;
+            drop(session);
+            return Ok("ended its session".into());
+        }
+        (false, 2) => {
+            // Small values (through the lane) and large ones (through the queue's socket,
+            // which wait in rank 2 until the small ones before them are taken).
+            let mut sent = 0u64;
+            let e = loop {
+                let r = match sent % 2 {
+                    0 => dist::send(&sent, 3),
+                    _ => dist::send(&big(), 3),
+                };
+                match r {
+                    Ok(()) => sent += 1,
+                    Err(e) => break e,
+                }
+                ensure!(sent <= 1000, "rank 2 sent {sent} values to a rank that ended its session");
+            };
+            (e, 3)
+        }
+        (false, _) => return Ok("not involved".into()),
+    };
+    ensure!(matches!(&e, Error::Dist(DistError::RankGone { rank, .. }) if *rank == gone), "{e}");
+    Ok(format!("saw {e}"))
 }
 
 /// Forks a child that holds everything this process holds (its sockets, its queues) and
