@@ -3,9 +3,9 @@
 //! A job is ranks started by an MPI launcher (`mpirun -np 4 prog`; a program started alone
 //! is a job of one rank). Ranks on one node share memory: values they send each other are
 //! tensorshare messages through a queue for each pair of ranks, so tensors travel as arena
-//! handles, never copied, exactly as through a [`Queue`](crate::Queue). Ranks on different nodes send
-//! through MPI, tensors by value. Collectives are hierarchical: within each node through
-//! shared memory, across nodes among one leader per node through MPI.
+//! handles, never copied, exactly as through a [`Queue`](crate::Queue). Ranks on different
+//! nodes send through MPI, tensors by value. Collectives are hierarchical: within each node
+//! through shared memory, across nodes among one leader per node through MPI.
 //!
 //! ```no_run
 //! use tensorshare::dist::{self, ReduceOp};

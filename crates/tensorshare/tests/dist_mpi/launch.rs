@@ -148,10 +148,10 @@ pub fn a_job_of_one_rank_without_mpirun() -> Outcome {
     }
 }
 
-/// Runs `scenario`, in which rank 2 dies, on 4 ranks with `--enable-recovery` (by default
-/// mpirun ends the job when a rank dies; told to recover, it lets the others run, and they
-/// report what they saw); the output, once ranks 0, 1 and 3 each named rank 2.
-fn survivors_name_rank_2(scratch: &Scratch, scenario: &str) -> Result<String, String> {
+/// Runs `scenario` on 4 ranks with `--enable-recovery` (by default mpirun ends the job
+/// when a rank dies; told to recover, it lets the others run, and they report what they
+/// saw); the output, once each rank of `reports` printed its ok line with the words given.
+fn recovering(scratch: &Scratch, scenario: &str, reports: &[(usize, &str)]) -> Result<String, String> {
     let mut cmd = Command::new(mpirun_program());
     environment(&mut cmd, scratch);
     cmd.args(mpirun_args(scratch)).args([
@@ -164,14 +164,21 @@ fn survivors_name_rank_2(scratch: &Scratch, scenario: &str) -> Result<String, St
         scenario,
     ]);
     let (_, out) = run(cmd)?;
-    for r in [0, 1, 3] {
+    for &(r, words) in reports {
         let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
             return Err(format!("rank {r} did not report\n{out}"));
         };
-        if !line.contains("rank 2 (pid") {
-            return Err(format!("rank {r} did not name rank 2: {line}\n{out}"));
+        if !line.contains(words) {
+            return Err(format!("rank {r} did not say {words:?}: {line}\n{out}"));
         }
     }
+    Ok(out)
+}
+
+/// Runs `scenario`, in which rank 2 dies (see `recovering`); the output, once ranks 0, 1
+/// and 3 each named rank 2.
+fn survivors_name_rank_2(scratch: &Scratch, scenario: &str) -> Result<String, String> {
+    let out = recovering(scratch, scenario, &[(0, "rank 2 (pid"), (1, "rank 2 (pid"), (3, "rank 2 (pid")])?;
     if out.contains("rank 2: ok") {
         return Err(format!("rank 2 was to die\n{out}"));
     }
@@ -218,33 +225,14 @@ pub fn a_rank_that_dies_leaving_a_fork_is_named_by_the_others() -> Outcome {
     Outcome::Passed
 }
 
-/// Runs `scenario` (see `ranks::goes`) on 4 ranks with `--enable-recovery`: passed once
-/// each rank of `reports` printed its ok line with the words given.
+/// Runs `scenario` (see `ranks::goes` and `recovering`): passed once each rank of
+/// `reports` printed its ok line with the words given, and nothing was left behind.
 fn goes(tag: &str, scenario: &str, reports: &[(usize, &str)]) -> Outcome {
     let scratch = Scratch::new(tag);
-    let mut cmd = Command::new(mpirun_program());
-    environment(&mut cmd, &scratch);
-    cmd.args(mpirun_args(&scratch)).args([
-        "--oversubscribe",
-        "--enable-recovery",
-        "-np",
-        "4",
-        &exe(),
-        "--scenario",
-        scenario,
-    ]);
-    let out = match run(cmd) {
-        Ok((_, out)) => out,
+    let out = match recovering(&scratch, scenario, reports) {
+        Ok(out) => out,
         Err(e) => return Outcome::Failed(e),
     };
-    for &(r, words) in reports {
-        let Some(line) = out.lines().find(|l| l.starts_with(&format!("rank {r}: ok"))) else {
-            return Outcome::Failed(format!("rank {r} did not report\n{out}"));
-        };
-        if !line.contains(words) {
-            return Outcome::Failed(format!("rank {r} did not say {words:?}: {line}\n{out}"));
-        }
-    }
     let left = scratch.leftovers(&[]);
     if !left.is_empty() {
         return Outcome::Failed(format!("the run left {left:?} behind\n{out}"));
