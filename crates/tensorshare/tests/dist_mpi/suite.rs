@@ -342,6 +342,38 @@ fn lying_heads(rank: usize) -> Check<usize> {
     Ok(lies.len())
 }
 
+/// Rank 3 sends to rank 1 for the first time while it can open no descriptor, so that it
+/// can make no queue for the pair: its values go on the pair's socket, in order.
+fn without_a_queue(rank: usize) -> Check<usize> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    if rank == 3 {
+        let before = getrlimit(Resource::Nofile);
+        // The lowest descriptor number not in use: with the limit there, none can be opened.
+        let open: std::collections::BTreeSet<i32> = std::fs::read_dir("/proc/self/fd")
+            .map_err(|e| e.to_string())?
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        let lowest_free = (0..).find(|n| !open.contains(n)).unwrap_or(0) as u64;
+        setrlimit(Resource::Nofile, Rlimit { current: Some(lowest_free), maximum: before.maximum })
+            .map_err(|e| format!("setrlimit: {e}"))?;
+        let sent = (|| -> Check {
+            ensure!(Queue::<u64>::new().is_err(), "a queue could still be made");
+            for i in 0..3u64 {
+                dist::send(&(i, "no queue".to_string()), 1).ctx("send without a queue")?;
+            }
+            Ok(())
+        })();
+        setrlimit(Resource::Nofile, before).map_err(|e| format!("setrlimit back: {e}"))?;
+        sent?;
+    } else if rank == 1 {
+        for i in 0..3u64 {
+            let (j, s): (u64, String) = dist::recv(3).ctx("recv without a queue")?;
+            ensure!(j == i && s == "no queue", "value {i} came as ({j}, {s})");
+        }
+    }
+    Ok(1)
+}
+
 /// Ranks 0 and 1, each holding the queue the other made for the pair, send each other
 /// values, small (through the lane) and large (through the queue's socket, once the small
 /// one is taken), that nobody receives: the session still ends on both when they drop it.
@@ -370,6 +402,7 @@ pub fn node() -> Check<String> {
         + lying_heads(rank)?
         + collectives(size, rank)?
         + workers(size)?
+        + without_a_queue(rank)?
         + unreceived(rank)?;
     drop(session);
     not_initialized(dist::rank().unwrap_err(), "session ended")?;
