@@ -93,7 +93,7 @@ fn send_local<T: Serialize + ?Sized>(
     let peer = links.peer(local)?;
     let mut route = peer.route.borrow_mut();
     if matches!(*route, Way::Unset) {
-        let way = match AnyQueue::with_capacity(IN_FLIGHT) {
+        *route = match AnyQueue::with_capacity(IN_FLIGHT) {
             Ok(q) => {
                 links.send(topo, local, Channel::P2p, &HelloOut::Queue(&q), during)?;
                 Way::Queue(q)
@@ -103,7 +103,6 @@ fn send_local<T: Serialize + ?Sized>(
                 Way::Socket
             }
         };
-        *route = way;
     }
     let Way::Queue(q) = &*route else {
         return links.send(topo, local, Channel::P2p, value, during);
