@@ -34,14 +34,13 @@ pub(crate) struct Api {
     empty: Py<PyAny>,
     frombuffer: Py<PyAny>,
     uint8: Py<PyAny>,
-    untyped_storage: Py<PyAny>,
     cpu: Py<PyAny>,
     /// A tensor's attributes and methods, from `torch._C.TensorBase`, the C type under every
     /// torch tensor (see [`crate::descr`]).
     t: TensorAccess,
     /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage. These
     /// never hand a call to Python code (no torch function mode sees them), so what they
-    /// report is torch's own, and calling them runs no Python code: [`copy_here`] reads
+    /// report is torch's own, and calling them runs no Python code: [`copy_out`] reads
     /// memory where they say it is, with nothing run in between.
     storage_data_ptr: Method,
     storage_nbytes: Method,
@@ -124,7 +123,6 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             uint8: torch.getattr("uint8")?.unbind(),
             empty: torch.getattr("empty")?.unbind(),
             frombuffer: torch.getattr("frombuffer")?.unbind(),
-            untyped_storage: torch.getattr("UntypedStorage")?.unbind(),
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
             t: TensorAccess::new(&tensor_base)?,
             storage_data_ptr: Method::new(&storage_base, "data_ptr")?,
@@ -378,7 +376,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     Ok(Some(Value::Tensor(t)))
 }
 
-/// Storages of up to this many bytes are copied into their block here (see [`copy_here`]);
+/// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
 /// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
 /// (about 2 µs) only small storages notice.
 const COPY_HERE_MAX: usize = 64 * 1024;
@@ -413,79 +411,79 @@ pub(crate) fn move_storage<'py>(
     };
     let kwargs = PyDict::new(py);
     kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
-    let fresh = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
-    let fresh = api.t.untyped_storage.call0(&fresh)?;
-    // The bytes are copied (here when small, else by torch under its own rules), then the
-    // storage takes the block's memory and the reference to the block that keeps it mapped;
-    // `fresh` takes what the storage had (its old memory, or the stand-in `copy_here` gave
-    // it) and frees it when it goes.
-    if !(nbytes <= COPY_HERE_MAX && copy_here(py, api, swap, storage, block.get())?) {
+    let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
+    let fresh = api.t.untyped_storage.call0(&flat)?;
+    // The storage takes the block's memory, and the reference to the block that keeps it
+    // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
+    // copied after the swap when few (see `copy_out`), else before it by torch, under its
+    // own rules.
+    let moved = nbytes <= COPY_HERE_MAX && api.storage_device.get(storage)?.eq(api.cpu.bind(py))? && {
+        swap.call1(storage, &fresh)?;
+        match copy_out(api, &fresh, block.get()) {
+            Ok(true) => true,
+            // The storage gets its old memory back, its bytes as they were.
+            failed => {
+                swap.call1(storage, &fresh)?;
+                failed?
+            }
+        }
+    };
+    if !moved {
         api.storage_copy.call1(&fresh, storage)?;
+        swap.call1(storage, &fresh)?;
     }
-    swap.call1(storage, &fresh)?;
     register_storage(py, block.get().storage.data_ptr(), storage)?;
     Ok(block)
 }
 
-/// Copies the bytes of CPU `storage` into `block`, which was made for them and is not yet
-/// visible to anyone else; `false` (nothing done, `storage` as it was) where it does not,
-/// and torch copies.
+thread_local! {
+    /// [`copy_out`]'s staging buffer, kept between calls.
+    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Copies into `block` the bytes of CPU storage `old`, which has just taken a storage's old
+/// memory from a swap that gave that storage `block`'s: `false` (nothing done) when `old`
+/// does not hold exactly as many bytes as `block` (the storage changed size meanwhile), and
+/// torch copies.
 ///
-/// The storage's memory is not read where it is: a torch operation running in another
-/// thread without the GIL (`resize_`, torch's own sharing) can free it at any time. It is
-/// first swapped into a storage made here, which nothing else can name, so nothing can free
-/// it until that storage goes; `storage` holds the new storage's memory (uninitialised)
-/// until the caller swaps the block's in. A torch operation on `storage` running meanwhile
-/// in another thread reads those bytes, and its writes are lost, as writes made during any
-/// move are (share a tensor before handing it to writers, as in torch).
-fn copy_here(
-    py: Python<'_>,
-    api: &Api,
-    swap: &Method,
-    storage: &Bound<'_, PyAny>,
-    block: &Block,
-) -> PyResult<bool> {
+/// The old memory is read here, not where other threads might free it: once swapped into
+/// `old`, which was made by the caller and has not left it, nothing else can name it. A
+/// torch operation running meanwhile in another thread without the GIL on the storage being
+/// moved reads the block's bytes before or during the copy, and its writes may be lost, as
+/// writes made during any move are (share a tensor before handing it to writers, as in
+/// torch). The block's bytes are written as every safe write of this crate writes shared
+/// memory (`Tensor::copy_from_slice`), so such a write races with nothing here.
+fn copy_out(api: &Api, old: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> {
     let len = block.storage.len();
-    let cpu = api.cpu.bind(py);
-    if !api.storage_device.get(storage)?.eq(cpu)? {
-        return Ok(false);
-    }
-    let private = api.untyped_storage.bind(py).call1((len,))?;
-    // An exact `torch.UntypedStorage` is a `torch._C.StorageBase`, whose own C methods are
-    // asked, not whatever its Python class may have been given since.
-    if !private.get_type().is(api.untyped_storage.bind(py))
-        || !api.storage_device.get(&private)?.eq(cpu)?
-        || api.storage_nbytes.call0(&private)?.extract::<usize>()? != len
-    {
-        return Ok(false);
-    }
-    // From the swap to the end of the copy only torch's C methods `data_ptr` and `nbytes`
+    // From the swap to the end of the read only torch's C methods `data_ptr` and `nbytes`
     // are called: METH_NOARGS methods, which pyo3 calls by vectorcall, without a tuple. They
     // allocate only the int they return, which the GC does not track, so no collection, and
-    // so no finaliser, runs: no Python code at all, which could find `private`
+    // so no finaliser, runs: no Python code at all, which could find `old`
     // (`gc.get_objects()`) and free its memory.
-    swap.call1(storage, &private)?;
-    let addr: usize = api.storage_data_ptr.call0(&private)?.extract()?;
-    let moved: usize = api.storage_nbytes.call0(&private)?.extract()?;
-    if addr == 0 || moved != len {
-        swap.call1(storage, &private)?;
+    let addr: usize = api.storage_data_ptr.call0(old)?.extract()?;
+    let held: usize = api.storage_nbytes.call0(old)?.extract()?;
+    if addr == 0 || held != len {
         return Ok(false);
     }
-    let dst = block.storage.as_mut_ptr();
-    // SAFETY: `addr..addr + len` is the host memory `private` holds, as torch's C methods
-    // reported it just now (a CPU storage of `len` bytes; torch's swap requires equal sizes).
-    // `private` was made above and no reference to it has left this function, so no torch
-    // operation in any thread can resize or free its memory, and no Python code has run
-    // since the swap (the GIL is held, and only C methods that run none were called), so
-    // none has found it either; it lives until this function returns. An operation that read
-    // the storage's old address before the swap may still write those bytes from another
-    // thread: they are read with volatile loads of plain integers, which accept any bit
-    // pattern and assume nothing about other users of the memory (torn bytes, as torch's own
-    // copy would read). `dst..dst + len` is the block's memory, `len` bytes mapped while
-    // `block` lives, in a block made for this move that no other handle, thread or process
-    // has yet (its torch storage is not yet swapped into `storage`), and it cannot overlap
-    // torch's allocation.
-    unsafe { copy_volatile(addr as *const u8, dst, len) };
+    let mut flat = Tensor::from_storage(block.storage.clone(), DType::U8, &[len], &[1], 0).map_err(to_py)?;
+    STAGING.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        buf.clear();
+        buf.resize(len, 0);
+        // SAFETY: `addr..addr + len` is the host memory `old` holds, as torch's C methods
+        // reported it just now (a CPU storage of `len` bytes, checked above). `old` was made
+        // by the caller and no reference to it has left it, so no torch operation in any
+        // thread can resize or free its memory, and no Python code has run since the swap
+        // (the GIL is held, and only C methods that run none were called), so none has found
+        // it either; it lives until the caller returns. An operation that read the storage's
+        // old address before the swap may still write those bytes from another thread: they
+        // are read with volatile loads of plain integers, which accept any bit pattern and
+        // assume nothing about other users of the memory (torn bytes, as torch's own copy
+        // would read). `buf` is this thread's own, `len` bytes long, and cannot overlap
+        // torch's allocation.
+        unsafe { copy_volatile(addr as *const u8, buf.as_mut_ptr(), len) };
+        flat.copy_from_slice::<u8>(&buf).map_err(to_py)
+    })?;
     Ok(true)
 }
 

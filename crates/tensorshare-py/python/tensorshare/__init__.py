@@ -45,15 +45,21 @@ __all__ = [
 
 def empty_shared(shape, dtype=None):
     """An uninitialised torch tensor of ``shape`` in shared memory (default dtype: torch's)."""
+    # The common case first, with nothing imported on its way: a tensor sender makes one
+    # per message.
+    if dtype is None:
+        import torch
+
+        dtype = torch.get_default_dtype()
+    if type(shape) is not tuple:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    t = _native.empty_shared_tensor(shape, dtype)
+    if t is not None:
+        return t
     import torch
 
     from ._reduction import torch_storage
 
-    dtype = dtype or torch.get_default_dtype()
-    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-    t = _native.empty_shared_tensor(shape, dtype)
-    if t is not None:
-        return t
     numel = 1
     for n in shape:
         numel *= n
