@@ -58,12 +58,24 @@ struct State {
     abandoned: bool,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum FeedError {
     /// No process that could read is left.
     Disconnected,
     /// The feeder could not start.
     NoThread,
+    /// This process could not write a record (it could not spill it, or the system refused
+    /// it): what was being done, and the OS error.
+    Failed(String, Option<i32>),
+}
+
+impl FeedError {
+    fn failed(e: &Error) -> FeedError {
+        match e {
+            Error::Io { context, source } => FeedError::Failed(context.clone(), source.raw_os_error()),
+            other => FeedError::Failed(other.to_string(), None),
+        }
+    }
 }
 
 impl Outbox {
@@ -158,8 +170,21 @@ impl Outbox {
             return Ok(());
         }
         let mut st = self.state();
-        match st.failed {
+        match &st.failed {
             Some(FeedError::Disconnected) => return Err(Error::Disconnected),
+            Some(FeedError::Failed(context, code)) => {
+                let source = code.map_or_else(
+                    || std::io::Error::other(context.clone()),
+                    std::io::Error::from_raw_os_error,
+                );
+                return Err(Error::io(
+                    format!(
+                        "a value put earlier on this queue could not be written out ({context}); it and the \
+                         values this process put after it were dropped"
+                    ),
+                    source,
+                ));
+            }
             Some(FeedError::NoThread) | None => {}
         }
         if st.records.is_empty() && !st.feeding && gate.as_ref().is_none_or(|g| g()) {
@@ -170,7 +195,9 @@ impl Outbox {
                         drop(st);
                         return Ok(());
                     }
-                    Err(Errno::AGAIN) => break,
+                    // No room, or too many descriptors in flight (the kernel's cap per user,
+                    // RLIMIT_NOFILE): both clear as readers take records.
+                    Err(Errno::AGAIN) | Err(Errno::TOOMANYREFS) => break,
                     Err(Errno::MSGSIZE) if !out.is_spilled() => out.spill()?,
                     Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
                         return Err(Error::Disconnected)
@@ -218,35 +245,43 @@ impl Outbox {
                 continue;
             };
             let abandoned = || self.state().abandoned;
-            let sent = wait_for(gate.as_ref(), alive, &abandoned)
-                && loop {
+            let mut crowded = Duration::ZERO;
+            let sent = if !wait_for(gate.as_ref(), alive, &abandoned) {
+                Err(FeedError::Disconnected)
+            } else {
+                loop {
                     match self.write(tx, &out) {
                         Ok(()) => {
                             // Counted (by the ring) before it stops counting as in hand.
                             self.wrote();
                             self.state().in_hand = false;
-                            break true;
+                            break Ok(());
                         }
-                        Err(Errno::AGAIN) => {}
-                        Err(Errno::MSGSIZE) if !out.is_spilled() => {
-                            if out.spill().is_err() {
-                                break false;
-                            }
-                            continue;
-                        }
-                        Err(_) => break false,
+                        Err(Errno::AGAIN) => crowded = Duration::ZERO,
+                        Err(Errno::TOOMANYREFS) => crowded = socket::crowded_backoff(crowded),
+                        Err(Errno::MSGSIZE) if !out.is_spilled() => match out.spill() {
+                            Ok(()) => continue,
+                            Err(e) => break Err(FeedError::failed(&e)),
+                        },
+                        Err(e) => break Err(FeedError::failed(&Error::io("sendmsg", e))),
                     }
-                    let ready =
-                        socket::wait(tx.as_fd(), PollFlags::OUT, Duration::from_millis(50)).unwrap_or(false);
+                    let ready = if crowded.is_zero() {
+                        socket::wait(tx.as_fd(), PollFlags::OUT, Duration::from_millis(50)).unwrap_or(false)
+                    } else {
+                        // The socket may have room: descriptors in flight must go first.
+                        std::thread::sleep(crowded);
+                        false
+                    };
                     if !ready && (abandoned() || !alive()) {
-                        break false;
+                        break Err(FeedError::Disconnected);
                     }
-                };
-            if !sent {
+                }
+            };
+            if let Err(why) = sent {
                 let mut st = self.state();
                 st.in_hand = false;
                 st.records.clear();
-                st.failed = Some(FeedError::Disconnected);
+                st.failed = Some(why);
                 st.feeding = false;
                 self.written.notify_all();
                 return;
