@@ -3,7 +3,7 @@
 
 use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 use rustix::thread::{capabilities, set_capabilities, CapabilitySet};
-use tensorshare::{DType, Queue, Tensor};
+use tensorshare::{spawn, DType, Queue, Tensor};
 
 tensorshare::enable_test_workers!();
 
@@ -18,8 +18,9 @@ const LIMIT: u64 = 64;
 /// in Unix sockets (`sendmsg` fails with ETOOMANYREFS beyond it). Every value here carries
 /// its arena's descriptor (tensors over the lane's bound keep the socket), so the 65th put
 /// on an unbounded queue with nobody reading yet used to fail. Now it waits in the outbox
-/// until readers take some, and all of them arrive, in order. (In a helper process, whose
-/// capabilities and limit are its own.)
+/// until readers take some, and all of them arrive, in order. Starting a worker meanwhile
+/// fails at once (its arguments carry descriptors too, and cannot wait), and hangs nothing.
+/// (In a helper process, whose capabilities and limit are its own.)
 #[test]
 fn values_over_the_cap_on_descriptors_in_flight_wait_for_readers() {
     common::isolated_with(
@@ -43,6 +44,11 @@ fn values_over_the_cap_on_descriptors_in_flight_wait_for_readers() {
                     panic!("put {i} failed: {}", e.error());
                 }
             }
+            // A worker's arguments (the queue's descriptors) cannot wait for a reader: the
+            // reader would be that worker. Its start fails at once, saying why.
+            let refused =
+                spawn(|_rank, q: Queue<Tensor>| drop(q.get()), q.clone(), 1).err().map(|e| e.to_string());
+            assert!(refused.as_ref().is_some_and(|e| e.contains("os error 109")), "{refused:?}");
             for i in 0..VALUES {
                 let t = q.get().unwrap();
                 assert_eq!(t.to_vec::<f32>().unwrap()[..2], [i as f32; 2], "value {i}");

@@ -78,6 +78,20 @@ impl FeedError {
     }
 }
 
+/// The next wait before the feeder tries again a record the kernel refused with
+/// `ETOOMANYREFS`, after waiting `last` (zero at first): 1 ms, doubling up to 50 ms.
+///
+/// The kernel caps the descriptors a user has in flight in Unix sockets at its
+/// RLIMIT_NOFILE (unless it has CAP_SYS_RESOURCE): a record that carries descriptors is
+/// refused while too many wait to be received, in any socket of the user, and goes once
+/// readers have taken some. No readiness tells when, hence a timed wait. Only records that
+/// may wait in the outbox wait for this; a direct send (a pipe, a worker's arguments, a
+/// forked child's put) fails with the error instead, since its reader may be the very
+/// process its sender is about to start.
+fn crowded_backoff(last: Duration) -> Duration {
+    (last * 2).clamp(Duration::from_millis(1), Duration::from_millis(50))
+}
+
 impl Outbox {
     pub(crate) fn new(control: Arc<Control>) -> Outbox {
         Outbox {
@@ -258,11 +272,14 @@ impl Outbox {
                             break Ok(());
                         }
                         Err(Errno::AGAIN) => crowded = Duration::ZERO,
-                        Err(Errno::TOOMANYREFS) => crowded = socket::crowded_backoff(crowded),
+                        Err(Errno::TOOMANYREFS) => crowded = crowded_backoff(crowded),
                         Err(Errno::MSGSIZE) if !out.is_spilled() => match out.spill() {
                             Ok(()) => continue,
                             Err(e) => break Err(FeedError::failed(&e)),
                         },
+                        Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => {
+                            break Err(FeedError::Disconnected)
+                        }
                         Err(e) => break Err(FeedError::failed(&Error::io("sendmsg", e))),
                     }
                     let ready = if crowded.is_zero() {

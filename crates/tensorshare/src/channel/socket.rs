@@ -111,12 +111,10 @@ pub(crate) fn send_framed(
     deadline: Deadline,
     alive: &dyn Fn() -> bool,
 ) -> Result<()> {
-    let mut crowded = Duration::ZERO;
     loop {
         match send_record(fd, out.parts(), &out.fds()) {
             Ok(()) => return Ok(()),
-            Err(Errno::AGAIN) => crowded = Duration::ZERO,
-            Err(Errno::TOOMANYREFS) => crowded = crowded_backoff(crowded),
+            Err(Errno::AGAIN) => {}
             Err(Errno::MSGSIZE) if !out.is_spilled() => {
                 out.spill()?;
                 continue;
@@ -127,27 +125,10 @@ pub(crate) fn send_framed(
             Err(e) => return Err(Error::io("sendmsg", e)),
         }
         let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
-        let ready = if crowded.is_zero() {
-            wait(fd, PollFlags::OUT, slice)?
-        } else {
-            std::thread::sleep(crowded.min(slice));
-            false
-        };
-        if !ready && !alive() {
+        if !wait(fd, PollFlags::OUT, slice)? && !alive() {
             return Err(Error::Disconnected);
         }
     }
-}
-
-/// The next wait before a record the kernel refused with `ETOOMANYREFS` is tried again,
-/// after waiting `last` (zero at first): 1 ms, doubling up to 50 ms.
-///
-/// The kernel caps the descriptors a user has in flight in Unix sockets at its
-/// RLIMIT_NOFILE (unless it has CAP_SYS_RESOURCE): a record that carries descriptors is
-/// refused while too many wait to be received, and goes once readers have taken some, as
-/// one refused for want of room does. No readiness tells when, hence a timed wait.
-pub(crate) fn crowded_backoff(last: Duration) -> Duration {
-    (last * 2).clamp(Duration::from_millis(1), Duration::from_millis(50))
 }
 
 /// One record of `parts` with `fds` attached (at most MAX_FDS), without waiting.
