@@ -203,6 +203,14 @@ fn unlink_own_names() {
     tensorshare::segments::unlink_own_names()
 }
 
+/// Waits until what this process put on queues is written out, while another process could
+/// read it: for a child about to end in `os._exit`, which drops nothing (see
+/// `tensorshare::flush_queues`).
+#[pyfunction]
+fn flush_queues(py: Python<'_>) {
+    py.detach(tensorshare::flush_queues)
+}
+
 /// The strategies this platform offers, by torch's names.
 #[pyfunction]
 fn get_all_sharing_strategies() -> Vec<String> {
@@ -225,6 +233,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_queues, m)?)?;
     m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;

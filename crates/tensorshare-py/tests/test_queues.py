@@ -397,6 +397,28 @@ def test_a_sender_may_exit_before_the_receiver_gets(ctx):
     assert float(t.sum()) == 3000.0
 
 
+def _put_many(q, done, n):
+    torch = import_torch()
+    for i in range(n):
+        q.put(torch.full((256,), float(i)))
+    done.set()
+
+
+def test_a_childs_puts_never_wait_and_it_leaves_once_they_are_written(ctx):
+    # More values than the queue's socket holds, put before anyone reads: every put of the
+    # child returns at once (a forked child's used to wait for room in the socket), and what
+    # still waits in its outbox when its target returns is written out before it leaves.
+    n = 3000
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_put_many, args=(q, done, n))
+    p.start()
+    assert done.wait(timeout=60), "a put waited for a reader"
+    got = [q.get(timeout=60) for _ in range(n)]
+    p.join(60)
+    assert p.exitcode == 0
+    assert [int(t[0]) for t in got] == list(range(n))
+
+
 def test_a_queue_travels_inside_a_queue(ctx):
     q = ctx.Queue()
     inner = ctx.Queue()

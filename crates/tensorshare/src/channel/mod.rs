@@ -7,6 +7,7 @@ mod awake;
 mod control;
 mod err;
 mod fd;
+mod feed;
 mod frame;
 mod lane;
 mod outbox;
@@ -29,6 +30,15 @@ pub use queue::{Queue, SimpleQueue};
 /// worker does not keep (see `process::fork`); a queue it receives is then its own.
 pub(crate) fn forget_after_fork() {
     queue_core::forget_registry();
+}
+
+/// Waits until every value this process put on a queue is written out to it, while another
+/// process could still read it (as dropping a queue's last handle in a process does for that
+/// queue). A process that leaves by `_exit` drops nothing: a child of a raw `fork` that put
+/// values on an inherited queue calls this first, or what waits in its outbox is lost
+/// (Python's `multiprocessing` children do, through tensorshare's package).
+pub fn flush_queues() {
+    queue_core::flush_all();
 }
 
 /// Ends the current window of every idle lane of this process's queues, so that what those

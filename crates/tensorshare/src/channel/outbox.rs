@@ -9,20 +9,24 @@
 //! The records keep what they hold (descriptors, and with them their slots) until they are
 //! written. The last handle of the queue in a process waits, when dropped, until the
 //! outbox is written out, as long as another process holds the queue and could read it.
-//! A forked child does not own its parent's outbox: it writes directly and never waits.
+//! A forked child does not own the outbox it inherits (its parent's records, whose feeder
+//! thread is not there): it makes one of its own for the queue when it first puts, kept
+//! aside by the inherited one's address, and flushes it when it drops the queue, or when
+//! `flush_queues` asks (before an `_exit`, which drops nothing).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use rustix::event::PollFlags;
 use rustix::io::Errno;
 
 use super::control::Control;
+use super::feed::{crowded_backoff, wait_for, FeedError};
 use super::frame::Outgoing;
-use super::socket::{self, Deadline};
+use super::socket;
 use crate::util::lock;
 use crate::{Error, Result};
 
@@ -58,38 +62,16 @@ struct State {
     abandoned: bool,
 }
 
-#[derive(Clone)]
-enum FeedError {
-    /// No process that could read is left.
-    Disconnected,
-    /// The feeder could not start.
-    NoThread,
-    /// This process could not write a record (it could not spill it, or the system refused
-    /// it): what was being done, and the OS error.
-    Failed(String, Option<i32>),
-}
+/// The outboxes this process made for queues whose outbox it inherited by `fork`, by the
+/// inherited outbox's address (see `Outbox::mine`).
+type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
 
-impl FeedError {
-    fn failed(e: &Error) -> FeedError {
-        match e {
-            Error::Io { context, source } => FeedError::Failed(context.clone(), source.raw_os_error()),
-            other => FeedError::Failed(other.to_string(), None),
-        }
-    }
-}
-
-/// The next wait before the feeder tries again a record the kernel refused with
-/// `ETOOMANYREFS`, after waiting `last` (zero at first): 1 ms, doubling up to 50 ms.
-///
-/// The kernel caps the descriptors a user has in flight in Unix sockets at its
-/// RLIMIT_NOFILE (unless it has CAP_SYS_RESOURCE): a record that carries descriptors is
-/// refused while too many wait to be received, in any socket of the user, and goes once
-/// readers have taken some. No readiness tells when, hence a timed wait. Only records that
-/// may wait in the outbox wait for this; a direct send (a pipe, a worker's arguments, a
-/// forked child's put) fails with the error instead, since its reader may be the very
-/// process its sender is about to start.
-fn crowded_backoff(last: Duration) -> Duration {
-    (last * 2).clamp(Duration::from_millis(1), Duration::from_millis(50))
+fn forked() -> &'static Forked {
+    static F: OnceLock<Forked> = OnceLock::new();
+    F.get_or_init(|| {
+        crate::util::fork::guard(|out| out.push(Box::new(lock(forked()))));
+        Mutex::default()
+    })
 }
 
 impl Outbox {
@@ -108,21 +90,48 @@ impl Outbox {
         self.pid == getpid()
     }
 
+    /// For an outbox this process inherited by `fork` (not its own): the one it made in its
+    /// place, if it has made one.
+    fn mine(&self) -> Option<Arc<Outbox>> {
+        lock(forked()).get(&(self as *const Outbox as usize)).filter(|o| o.own()).cloned()
+    }
+
+    /// As `mine`, made now if there is none yet.
+    fn make_mine(&self) -> Arc<Outbox> {
+        let key = self as *const Outbox as usize;
+        let mut map = lock(forked());
+        if let Some(o) = map.get(&key).filter(|o| o.own()) {
+            return o.clone();
+        }
+        let fresh = Arc::new(Outbox::new(self.control.clone()));
+        if let Some(stale) = map.insert(key, fresh.clone()) {
+            // Made by the process this one was forked from (itself a forked child): its
+            // records are that process's to write, and dropping them here would let go of
+            // what they hold as if they had been written.
+            std::mem::forget(stale);
+        }
+        fresh
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
 
     /// Whether records of this process are still on their way (a reader may wait for them).
     pub(crate) fn pending(&self) -> bool {
-        self.own() && {
-            let st = self.state();
-            st.feeding || !st.records.is_empty()
+        if !self.own() {
+            return self.mine().is_some_and(|o| o.pending());
         }
+        let st = self.state();
+        st.feeding || !st.records.is_empty()
     }
 
     /// Whether a record this process wrote may still wait in the socket whose reading end is
     /// `rx` (looked at only if it wrote one since the socket was last seen empty).
     pub(crate) fn in_socket(&self, rx: BorrowedFd<'_>) -> bool {
+        if !self.own() {
+            return self.mine().is_some_and(|o| o.in_socket(rx));
+        }
         // One look at a time: while one thread has cleared the flag to look, another must
         // not take it for an answer.
         let _one = lock(&self.looking);
@@ -152,7 +161,7 @@ impl Outbox {
     /// How many records of this process wait to be written.
     pub(crate) fn waiting(&self) -> usize {
         if !self.own() {
-            return 0;
+            return self.mine().map_or(0, |o| o.waiting());
         }
         let st = self.state();
         st.records.len() + usize::from(st.in_hand)
@@ -172,16 +181,8 @@ impl Outbox {
         gate: Option<Gate>,
     ) -> Result<()> {
         if !self.own() {
-            // A forked child: its parent's feeder is not here. Write directly, waiting.
-            let alive = alive();
-            if !wait_for(gate.as_ref(), &*alive, &|| false) {
-                return Err(Error::Disconnected);
-            }
-            self.control.record_coming();
-            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive)
-                .inspect_err(|_| self.control.record_gone())?;
-            self.wrote();
-            return Ok(());
+            // A forked child: its parent's records and feeder are not its own.
+            return self.make_mine().put(tx, out, alive, gate);
         }
         let mut st = self.state();
         match &st.failed {
@@ -309,7 +310,22 @@ impl Outbox {
     /// Waits until what this process put is written out, while another process holds the
     /// queue (otherwise nobody could ever read it, and the records go).
     pub(crate) fn flush_at_drop(&self) {
-        self.flush_while(&|| true);
+        if self.own() {
+            return self.flush_while(&|| true);
+        }
+        // The queue goes from this forked child: so does the outbox it made for it (which
+        // holds the queue's control block open), once written.
+        let key = self as *const Outbox as usize;
+        let mine = {
+            let mut map = lock(forked());
+            match map.get(&key) {
+                Some(o) if o.own() => map.remove(&key),
+                _ => None,
+            }
+        };
+        if let Some(o) = mine {
+            o.flush_while(&|| true);
+        }
     }
 
     /// As `flush_at_drop`, and the records go as soon as `readers` says that nobody who
@@ -318,6 +334,9 @@ impl Outbox {
     pub(crate) fn flush_while(&self, readers: &dyn Fn() -> bool) {
         let control = &self.control;
         if !self.own() {
+            if let Some(o) = self.mine() {
+                o.flush_while(readers);
+            }
             return;
         }
         let mut st = self.state();
@@ -348,6 +367,9 @@ impl Outbox {
     #[cfg(feature = "mpi")]
     pub(crate) fn abandon(&self) {
         if !self.own() {
+            if let Some(o) = self.mine() {
+                o.abandon();
+            }
             return;
         }
         let mut st = self.state();
@@ -362,35 +384,6 @@ impl Outbox {
             .map(|(g, _)| g)
             .unwrap_or_else(|p| p.into_inner().0)
     }
-}
-
-/// Waits until `gate` (if any) opens; false if no reader is left meanwhile. The lane
-/// messages it waits for are taken within microseconds by a consumer at work, so it looks
-/// often at first, then less and less.
-///
-/// `abandoned`: the queue's last handle is gone with nobody left to read (asked each nap).
-fn wait_for(
-    gate: Option<&Gate>,
-    alive: &(dyn Fn() -> bool + Send + Sync),
-    abandoned: &dyn Fn() -> bool,
-) -> bool {
-    let Some(gate) = gate else { return true };
-    let mut nap = Duration::from_micros(20);
-    let mut next_check = std::time::Instant::now() + Duration::from_millis(50);
-    while !gate() {
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_millis(5));
-        if abandoned() {
-            return false;
-        }
-        if std::time::Instant::now() >= next_check {
-            if !alive() {
-                return false;
-            }
-            next_check = std::time::Instant::now() + Duration::from_millis(50);
-        }
-    }
-    true
 }
 
 fn getpid() -> i32 {

@@ -57,6 +57,14 @@ pub(crate) fn close_idle_lanes() {
     }
 }
 
+/// See `channel::flush_queues`.
+pub(crate) fn flush_all() {
+    let cores: Vec<Arc<Core>> = lock(registry()).values().filter_map(Weak::upgrade).collect();
+    for core in cores {
+        core.outbox.flush_while(&|| true);
+    }
+}
+
 /// Drops this process's record of which queues it has (see `channel::forget_after_fork`).
 pub(crate) fn forget_registry() {
     lock(registry()).clear();

@@ -143,9 +143,14 @@ class ByValueMixin:
         try:
             return super()._bootstrap(*args, **kwargs)
         finally:
-            # A fork or fork server child ends in os._exit, which runs no exit handler: the
-            # names of the named segments it made go now (whoever holds one keeps its memory).
-            _native.unlink_own_names()
+            # A fork or fork server child ends in os._exit, which runs no exit handler. What it
+            # put that still waits in its outbox is written out first, while another process
+            # could read it (as multiprocessing's queues join their feeder threads); then the
+            # names of the named segments it made go (whoever holds one keeps its memory).
+            try:
+                _native.flush_queues()
+            finally:
+                _native.unlink_own_names()
 
 
 class ForkProcess(ByValueMixin, multiprocessing.context.ForkProcess):
