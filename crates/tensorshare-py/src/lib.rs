@@ -211,6 +211,14 @@ fn flush_queues(py: Python<'_>) {
     py.detach(tensorshare::flush_queues)
 }
 
+/// Makes this process's puts on queues it inherited by fork go through an outbox of its own
+/// (see `tensorshare::adopt_forked_queues`): for a process that calls `flush_queues` before
+/// it leaves.
+#[pyfunction]
+fn adopt_forked_queues() {
+    tensorshare::adopt_forked_queues()
+}
+
 /// The strategies this platform offers, by torch's names.
 #[pyfunction]
 fn get_all_sharing_strategies() -> Vec<String> {
@@ -234,6 +242,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(flush_queues, m)?)?;
+    m.add_function(wrap_pyfunction!(adopt_forked_queues, m)?)?;
     m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;

@@ -291,6 +291,15 @@ impl PyQueue {
             }
     }
 
+    /// Lets this process leave without waiting for what it put to be written out (see
+    /// `tensorshare::Queue::cancel_join_thread`).
+    fn cancel_join_thread(&self) {
+        match &self.inner {
+            Inner::Queue(q) => q.cancel_join_thread(),
+            Inner::Simple(q) => q.cancel_join_thread(),
+        }
+    }
+
     /// Whether a bounded queue has no free place now (a `put` would wait).
     fn full(&self) -> bool {
         match &self.inner {

@@ -1,6 +1,7 @@
 """Queues between Python processes: values, tensors and arrays as handles, every start
 method and sharing strategy."""
 
+import os
 import queue
 
 import numpy as np
@@ -417,6 +418,54 @@ def test_a_childs_puts_never_wait_and_it_leaves_once_they_are_written(ctx):
     p.join(60)
     assert p.exitcode == 0
     assert [int(t[0]) for t in got] == list(range(n))
+
+
+def _put_many_and_leave(q, n):
+    torch = import_torch()
+    for i in range(n):
+        q.put(torch.full((256,), float(i)))
+    q.cancel_join_thread()
+
+
+def test_cancel_join_thread_lets_a_child_leave_with_values_unwritten(ctx):
+    # As multiprocessing's: a child whose reader stopped reading (a DataLoader worker told
+    # to stop) leaves without waiting for room; what did not fit is lost.
+    n = 3000
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_many_and_leave, args=(q, n))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    first = q.get(timeout=60)
+    assert int(first[0]) == 0
+
+
+def test_a_child_of_os_fork_may_leave_by_os_exit_right_after_its_puts():
+    # Not started by the package, so it will not write out an outbox on its way out: its
+    # puts write directly, waiting for room, and nothing is lost to os._exit. The values
+    # (lists of 20 tensors, which keep the socket) are more than the socket holds, and the
+    # parent reads only once the socket has some: a child that let them wait in an outbox
+    # would leave with the rest unwritten.
+    import time
+
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    n = 400
+    q = mp.Queue()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for i in range(n):
+                q.put([torch.full((64,), float(i)) for _ in range(20)])
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while q.qsize() < 40 and time.monotonic() < deadline:
+        os.sched_yield()
+    got = [q.get(timeout=60) for _ in range(n)]
+    assert os.waitpid(pid, 0)[1] == 0
+    assert [int(v[19][0]) for v in got] == list(range(n))
 
 
 def test_a_queue_travels_inside_a_queue(ctx):

@@ -131,7 +131,10 @@ pub use half;
 #[cfg(feature = "ndarray")]
 pub use ndarray;
 
-pub use channel::{flush_queues, pipe, Connection, Queue, SendError, SharedFd, SimpleQueue, MAX_MESSAGE_ENV};
+pub use channel::{
+    adopt_forked_queues, flush_queues, pipe, Connection, Queue, SendError, SharedFd, SimpleQueue,
+    MAX_MESSAGE_ENV,
+};
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Failure, ProcessError, Result};

@@ -34,9 +34,9 @@ impl FeedError {
 /// RLIMIT_NOFILE (unless it has CAP_SYS_RESOURCE): a record that carries descriptors is
 /// refused while too many wait to be received, in any socket of the user, and goes once
 /// readers have taken some. No readiness tells when, hence a timed wait. Only records that
-/// may wait in the outbox wait for this; a direct send (a pipe, a worker's arguments, a
-/// forked child's put) fails with the error instead, since its reader may be the very
-/// process its sender is about to start.
+/// may wait in the outbox wait for this; a direct send (a pipe, a worker's arguments, the put
+/// of a forked child that has not adopted its queues) fails with the error instead, since its
+/// reader may be the very process its sender is about to start.
 pub(super) fn crowded_backoff(last: Duration) -> Duration {
     (last * 2).clamp(Duration::from_millis(1), Duration::from_millis(50))
 }

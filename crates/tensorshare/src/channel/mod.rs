@@ -8,6 +8,7 @@ mod control;
 mod err;
 mod fd;
 mod feed;
+mod forked;
 mod frame;
 mod lane;
 mod outbox;
@@ -34,11 +35,21 @@ pub(crate) fn forget_after_fork() {
 
 /// Waits until every value this process put on a queue is written out to it, while another
 /// process could still read it (as dropping a queue's last handle in a process does for that
-/// queue). A process that leaves by `_exit` drops nothing: a child of a raw `fork` that put
-/// values on an inherited queue calls this first, or what waits in its outbox is lost
-/// (Python's `multiprocessing` children do, through tensorshare's package).
+/// queue). For a process that leaves by `_exit`, which drops nothing, after
+/// [`adopt_forked_queues`].
 pub fn flush_queues() {
     queue_core::flush_all();
+}
+
+/// Called in a child forked with queues in hand (a raw `fork`, Python's fork start method):
+/// from now on its puts on those queues go through an outbox of this process's own, so that
+/// `put` on an unbounded queue never waits here either, as in the process that made the
+/// queue. In return the child calls [`flush_queues`] before it leaves by `_exit`, or what
+/// still waits in its outbox is lost. Without the call, such a child writes each value
+/// directly, waiting for room, and may leave right after a put (a child of this child has
+/// not called it, whatever this one did). The Python package's processes call both.
+pub fn adopt_forked_queues() {
+    forked::adopt_forked();
 }
 
 /// Ends the current window of every idle lane of this process's queues, so that what those

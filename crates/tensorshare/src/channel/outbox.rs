@@ -10,14 +10,16 @@
 //! written. The last handle of the queue in a process waits, when dropped, until the
 //! outbox is written out, as long as another process holds the queue and could read it.
 //! A forked child does not own the outbox it inherits (its parent's records, whose feeder
-//! thread is not there): it makes one of its own for the queue when it first puts, kept
-//! aside by the inherited one's address, and flushes it when it drops the queue, or when
-//! `flush_queues` asks (before an `_exit`, which drops nothing).
+//! thread is not there). It writes directly, waiting for room, so that it may leave by
+//! `_exit` (which drops nothing) right after a put; or, once it has promised to call
+//! `flush_queues` before it leaves (`adopt_forked_queues`), it makes an outbox of its own
+//! for the queue when it first puts, kept aside by the inherited one's address, and flushes
+//! it when it drops the queue or when `flush_queues` asks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rustix::event::PollFlags;
@@ -25,8 +27,9 @@ use rustix::io::Errno;
 
 use super::control::Control;
 use super::feed::{crowded_backoff, wait_for, FeedError};
+use super::forked::{self, adopted, forked};
 use super::frame::Outgoing;
-use super::socket;
+use super::socket::{self, Deadline};
 use crate::util::lock;
 use crate::{Error, Result};
 
@@ -60,18 +63,8 @@ struct State {
     failed: Option<FeedError>,
     /// The last handle went with nobody left to read: the feeder drops what it holds.
     abandoned: bool,
-}
-
-/// The outboxes this process made for queues whose outbox it inherited by `fork`, by the
-/// inherited outbox's address (see `Outbox::mine`).
-type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
-
-fn forked() -> &'static Forked {
-    static F: OnceLock<Forked> = OnceLock::new();
-    F.get_or_init(|| {
-        crate::util::fork::guard(|out| out.push(Box::new(lock(forked()))));
-        Mutex::default()
-    })
+    /// The process leaves without waiting for what it did not write (`leave_unwritten`).
+    leaving: bool,
 }
 
 impl Outbox {
@@ -86,31 +79,19 @@ impl Outbox {
         }
     }
 
-    fn own(&self) -> bool {
+    pub(super) fn own(&self) -> bool {
         self.pid == getpid()
     }
 
     /// For an outbox this process inherited by `fork` (not its own): the one it made in its
-    /// place, if it has made one.
+    /// place, if it has made one (see `forked`).
     fn mine(&self) -> Option<Arc<Outbox>> {
-        lock(forked()).get(&(self as *const Outbox as usize)).filter(|o| o.own()).cloned()
+        forked::mine(self as *const Outbox as usize)
     }
 
     /// As `mine`, made now if there is none yet.
     fn make_mine(&self) -> Arc<Outbox> {
-        let key = self as *const Outbox as usize;
-        let mut map = lock(forked());
-        if let Some(o) = map.get(&key).filter(|o| o.own()) {
-            return o.clone();
-        }
-        let fresh = Arc::new(Outbox::new(self.control.clone()));
-        if let Some(stale) = map.insert(key, fresh.clone()) {
-            // Made by the process this one was forked from (itself a forked child): its
-            // records are that process's to write, and dropping them here would let go of
-            // what they hold as if they had been written.
-            std::mem::forget(stale);
-        }
-        fresh
+        forked::make_mine(self as *const Outbox as usize, || Outbox::new(self.control.clone()))
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -182,7 +163,20 @@ impl Outbox {
     ) -> Result<()> {
         if !self.own() {
             // A forked child: its parent's records and feeder are not its own.
-            return self.make_mine().put(tx, out, alive, gate);
+            if adopted() {
+                return self.make_mine().put(tx, out, alive, gate);
+            }
+            // One that has not promised to flush before its `_exit`: write directly, waiting,
+            // so that nothing it put waits in this process when it goes.
+            let alive = alive();
+            if !wait_for(gate.as_ref(), &*alive, &|| false) {
+                return Err(Error::Disconnected);
+            }
+            self.control.record_coming();
+            socket::send_outgoing(tx.as_fd(), out, Deadline::after(None), &*alive)
+                .inspect_err(|_| self.control.record_gone())?;
+            self.wrote();
+            return Ok(());
         }
         let mut st = self.state();
         match &st.failed {
@@ -344,8 +338,8 @@ impl Outbox {
             if !st.feeding {
                 break; // records with no feeder (it could not start): nothing will write them
             }
-            if !control.others_alive() || !readers() {
-                // Nobody can read them: they go, and so does what the feeder holds (a record
+            if st.leaving || !control.others_alive() || !readers() {
+                // Nobody can read them (or this process leaves without them): they go, and so does what the feeder holds (a record
                 // waiting for room or for its gate keeps its descriptors, and the queue's
                 // socket, open), before this handle is gone.
                 st.records.clear();
@@ -360,6 +354,19 @@ impl Outbox {
             }
             st = self.wait_written(st);
         }
+    }
+
+    /// See `Queue::cancel_join_thread`: when this process lets go of the queue, what it has
+    /// not written goes.
+    pub(crate) fn leave_unwritten(&self) {
+        if !self.own() {
+            // A forked child that did not adopt the queue writes directly: nothing waits.
+            if adopted() {
+                self.make_mine().leave_unwritten();
+            }
+            return;
+        }
+        self.state().leaving = true;
     }
 
     /// Drops every record still waiting, and makes the feeder drop the one it holds:

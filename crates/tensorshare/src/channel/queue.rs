@@ -113,6 +113,15 @@ macro_rules! queue_type {
                 self.core.drained()
             }
 
+            /// Lets this process go without waiting for what it put on this queue to be
+            /// written out (Python's `cancel_join_thread`): from now on, dropping the queue's
+            /// last handle here or [`flush_queues`](crate::flush_queues) drops what this
+            /// process put that no reader has room for yet, instead of waiting for room.
+            /// For a process whose reader may have stopped reading (a worker told to stop).
+            pub fn cancel_join_thread(&self) {
+                self.core.outbox.leave_unwritten();
+            }
+
             /// A descriptor to wait on with `poll` or `epoll` (for an event loop, or
             /// Python's `multiprocessing.connection.wait`): it becomes readable when a
             /// value may be waiting; a wake-up can be spurious, so follow it with

@@ -140,6 +140,9 @@ class ByValueMixin:
     def _bootstrap(self, *args, **kwargs):
         _allocate_batches_in_arenas()
         _keep_sigbus_handler_in_torch_workers()
+        # Its puts on queues it inherited by fork go through an outbox of its own, never
+        # waiting; it writes that outbox out before it leaves (below).
+        _native.adopt_forked_queues()
         try:
             return super()._bootstrap(*args, **kwargs)
         finally:

@@ -88,8 +88,10 @@ class SimpleQueue(_Wrapper):
 
 class Queue(_Wrapper):
     """``multiprocessing.Queue``: unbounded unless ``maxsize > 0``; tensors travel as
-    handles. ``put`` hands the value to the queue before it returns (no feeder thread), so a
-    sender may exit right after. ``qsize`` is an estimate, as Python's is."""
+    handles. ``put`` on an unbounded queue never waits: what the socket cannot take yet is
+    written out by a feeder thread, and a process the package started writes it out before
+    it leaves, so a sender may exit right after (a child forked by other means writes each
+    value directly, waiting for room). ``qsize`` is an estimate, as Python's is."""
 
     def __init__(self, maxsize=0, *, ctx=None):
         super().__init__(_native.Queue(maxsize), ctx)
@@ -120,7 +122,9 @@ class Queue(_Wrapper):
         pass
 
     def cancel_join_thread(self):
-        pass
+        # As multiprocessing's: this process leaves without waiting for what it put to be
+        # written out, and what is still unwritten then is lost.
+        self._q.cancel_join_thread()
 
 
 class JoinableQueue(Queue):
