@@ -1,14 +1,13 @@
 """Queues between Python processes: values, tensors and arrays as handles, every start
 method and sharing strategy."""
 
-import os
 import queue
 
 import numpy as np
 import pytest
 
 import tensorshare
-from conftest import import_torch
+from conftest import import_torch, run_python
 
 
 def _echo(q_in, q_out):
@@ -443,29 +442,41 @@ def test_cancel_join_thread_lets_a_child_leave_with_values_unwritten(ctx):
 def test_a_child_of_os_fork_may_leave_by_os_exit_right_after_its_puts():
     # Not started by the package, so it will not write out an outbox on its way out: its
     # puts write directly, waiting for room, and nothing is lost to os._exit. The values
-    # (lists of 20 tensors, which keep the socket) are more than the socket holds, and the
-    # parent reads only once the socket has some: a child that let them wait in an outbox
-    # would leave with the rest unwritten.
-    import time
+    # are more than the socket holds, and the parent reads only once the queue has some:
+    # a child that let them wait in an outbox would leave with the rest unwritten. Lists of
+    # 20 tensors keep the socket and single tensors take the lane, alternately: each single
+    # one waits for the list before it to be taken, so they arrive in order. (In a process
+    # of its own, which forks with one thread.)
+    import_torch()
+    r = run_python(
+        """
+        import os, time, torch
+        import tensorshare.multiprocessing as mp
 
-    torch = import_torch()
-    import tensorshare.multiprocessing as mp
-
-    n = 400
-    q = mp.Queue()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for i in range(n):
-                q.put([torch.full((64,), float(i)) for _ in range(20)])
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + 60
-    while q.qsize() < 40 and time.monotonic() < deadline:
-        os.sched_yield()
-    got = [q.get(timeout=60) for _ in range(n)]
-    assert os.waitpid(pid, 0)[1] == 0
-    assert [int(v[19][0]) for v in got] == list(range(n))
+        n = 400
+        q = mp.Queue()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for i in range(n):
+                    if i % 2:
+                        q.put(torch.full((64,), float(i)))
+                    else:
+                        q.put([torch.full((64,), float(i)) for _ in range(20)])
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 60
+        while q.qsize() < 40 and time.monotonic() < deadline:
+            os.sched_yield()
+        got = [q.get(timeout=60) for _ in range(n)]
+        assert os.waitpid(pid, 0)[1] == 0
+        order = [int(v[0] if isinstance(v, torch.Tensor) else v[19][0]) for v in got]
+        assert order == list(range(n)), order[:20]
+        print("ok")
+        """,
+        timeout=180,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 def test_a_queue_travels_inside_a_queue(ctx):

@@ -1,5 +1,12 @@
 //! Queues a process inherited by `fork`: whether it adopted them (see
 //! `channel::adopt_forked_queues`), and the outboxes it made for them (see `Outbox::mine`).
+//!
+//! A forked child does not own the outbox it inherits (its parent's records, whose feeder
+//! thread is not there). It writes directly, waiting for room, so that it may leave by
+//! `_exit` (which drops nothing) right after a put; or, once it has promised to call
+//! `flush_queues` before it leaves (`adopt_forked_queues`), it makes an outbox of its own
+//! for the queue when it first puts, kept aside by the inherited one's address, and flushes
+//! it when it drops the queue or when `flush_queues` asks.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -23,9 +30,9 @@ pub(super) fn adopted() -> bool {
 
 /// The outboxes this process made for queues whose outbox it inherited by `fork`, by the
 /// inherited outbox's address (see `Outbox::mine`).
-pub(super) type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
+type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
 
-pub(super) fn forked() -> &'static Forked {
+fn forked() -> &'static Forked {
     static F: OnceLock<Forked> = OnceLock::new();
     F.get_or_init(|| {
         crate::util::fork::guard(|out| out.push(Box::new(lock(forked()))));
@@ -52,4 +59,13 @@ pub(super) fn make_mine(key: usize, make: impl FnOnce() -> Outbox) -> Arc<Outbox
         std::mem::forget(stale);
     }
     fresh
+}
+
+/// Takes out the outbox this process made in place of the inherited one at `key`, if any.
+pub(super) fn take_mine(key: usize) -> Option<Arc<Outbox>> {
+    let mut map = lock(forked());
+    match map.get(&key) {
+        Some(o) if o.own() => map.remove(&key),
+        _ => None,
+    }
 }

@@ -9,12 +9,8 @@
 //! The records keep what they hold (descriptors, and with them their slots) until they are
 //! written. The last handle of the queue in a process waits, when dropped, until the
 //! outbox is written out, as long as another process holds the queue and could read it.
-//! A forked child does not own the outbox it inherits (its parent's records, whose feeder
-//! thread is not there). It writes directly, waiting for room, so that it may leave by
-//! `_exit` (which drops nothing) right after a put; or, once it has promised to call
-//! `flush_queues` before it leaves (`adopt_forked_queues`), it makes an outbox of its own
-//! for the queue when it first puts, kept aside by the inherited one's address, and flushes
-//! it when it drops the queue or when `flush_queues` asks.
+//! A forked child does not own the outbox it inherits: it writes directly, waiting for room,
+//! or, once it has adopted its queues, puts through an outbox of its own (see `forked`).
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -27,7 +23,7 @@ use rustix::io::Errno;
 
 use super::control::Control;
 use super::feed::{crowded_backoff, wait_for, FeedError};
-use super::forked::{self, adopted, forked};
+use super::forked::{self, adopted};
 use super::frame::Outgoing;
 use super::socket::{self, Deadline};
 use crate::util::lock;
@@ -111,7 +107,11 @@ impl Outbox {
     /// `rx` (looked at only if it wrote one since the socket was last seen empty).
     pub(crate) fn in_socket(&self, rx: BorrowedFd<'_>) -> bool {
         if !self.own() {
-            return self.mine().is_some_and(|o| o.in_socket(rx));
+            if let Some(o) = self.mine() {
+                return o.in_socket(rx);
+            }
+            // A forked child without an outbox of its own writes directly, through this one
+            // (`put`): its flag is this one's.
         }
         // One look at a time: while one thread has cleared the flag to look, another must
         // not take it for an answer.
@@ -309,14 +309,7 @@ impl Outbox {
         }
         // The queue goes from this forked child: so does the outbox it made for it (which
         // holds the queue's control block open), once written.
-        let key = self as *const Outbox as usize;
-        let mine = {
-            let mut map = lock(forked());
-            match map.get(&key) {
-                Some(o) if o.own() => map.remove(&key),
-                _ => None,
-            }
-        };
+        let mine = forked::take_mine(self as *const Outbox as usize);
         if let Some(o) = mine {
             o.flush_while(&|| true);
         }
@@ -334,12 +327,17 @@ impl Outbox {
             return;
         }
         let mut st = self.state();
+        if st.leaving {
+            // The process goes without waiting (`leave_unwritten`): the feeder writes on
+            // while it lives, as multiprocessing's does after `cancel_join_thread`.
+            return;
+        }
         while st.feeding || !st.records.is_empty() {
             if !st.feeding {
                 break; // records with no feeder (it could not start): nothing will write them
             }
-            if st.leaving || !control.others_alive() || !readers() {
-                // Nobody can read them (or this process leaves without them): they go, and so does what the feeder holds (a record
+            if !control.others_alive() || !readers() {
+                // Nobody can read them: they go, and so does what the feeder holds (a record
                 // waiting for room or for its gate keeps its descriptors, and the queue's
                 // socket, open), before this handle is gone.
                 st.records.clear();

@@ -115,9 +115,10 @@ macro_rules! queue_type {
 
             /// Lets this process go without waiting for what it put on this queue to be
             /// written out (Python's `cancel_join_thread`): from now on, dropping the queue's
-            /// last handle here or [`flush_queues`](crate::flush_queues) drops what this
-            /// process put that no reader has room for yet, instead of waiting for room.
-            /// For a process whose reader may have stopped reading (a worker told to stop).
+            /// last handle here or [`flush_queues`](crate::flush_queues) returns at once;
+            /// what waits for room is written on while this process lives, and lost if it
+            /// leaves first. For a process whose reader may have stopped reading (a worker
+            /// told to stop).
             pub fn cancel_join_thread(&self) {
                 self.core.outbox.leave_unwritten();
             }
