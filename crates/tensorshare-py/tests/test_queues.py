@@ -397,11 +397,14 @@ def test_a_sender_may_exit_before_the_receiver_gets(ctx):
     assert float(t.sum()) == 3000.0
 
 
-def _put_many(q, done, n):
+def _put_many(q, n, done=None, cancel_join_thread=False):
     torch = import_torch()
     for i in range(n):
         q.put(torch.full((256,), float(i)))
-    done.set()
+    if cancel_join_thread:
+        q.cancel_join_thread()
+    if done is not None:
+        done.set()
 
 
 def test_a_childs_puts_never_wait_and_it_leaves_once_they_are_written(ctx):
@@ -410,7 +413,7 @@ def test_a_childs_puts_never_wait_and_it_leaves_once_they_are_written(ctx):
     # still waits in its outbox when its target returns is written out before it leaves.
     n = 3000
     q, done = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_put_many, args=(q, done, n))
+    p = ctx.Process(target=_put_many, args=(q, n, done))
     p.start()
     assert done.wait(timeout=60), "a put waited for a reader"
     got = [q.get(timeout=60) for _ in range(n)]
@@ -419,19 +422,12 @@ def test_a_childs_puts_never_wait_and_it_leaves_once_they_are_written(ctx):
     assert [int(t[0]) for t in got] == list(range(n))
 
 
-def _put_many_and_leave(q, n):
-    torch = import_torch()
-    for i in range(n):
-        q.put(torch.full((256,), float(i)))
-    q.cancel_join_thread()
-
-
 def test_cancel_join_thread_lets_a_child_leave_with_values_unwritten(ctx):
     # As multiprocessing's: a child whose reader stopped reading (a DataLoader worker told
     # to stop) leaves without waiting for room; what did not fit is lost.
     n = 3000
     q = ctx.Queue()
-    p = ctx.Process(target=_put_many_and_leave, args=(q, n))
+    p = ctx.Process(target=_put_many, args=(q, n), kwargs={"cancel_join_thread": True})
     p.start()
     p.join(60)
     assert p.exitcode == 0

@@ -309,8 +309,7 @@ impl Outbox {
         }
         // The queue goes from this forked child: so does the outbox it made for it (which
         // holds the queue's control block open), once written.
-        let mine = forked::take_mine(self as *const Outbox as usize);
-        if let Some(o) = mine {
+        if let Some(o) = forked::take_mine(self as *const Outbox as usize) {
             o.flush_while(&|| true);
         }
     }
@@ -354,8 +353,7 @@ impl Outbox {
         }
     }
 
-    /// See `Queue::cancel_join_thread`: when this process lets go of the queue, what it has
-    /// not written goes.
+    /// See `Queue::cancel_join_thread`: this process's flushes of the queue stop waiting.
     pub(crate) fn leave_unwritten(&self) {
         if !self.own() {
             // A forked child that did not adopt the queue writes directly: nothing waits.
