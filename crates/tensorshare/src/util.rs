@@ -30,22 +30,92 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Fork safety for the library's own locks: each layer registers, when it makes a static
-/// mutex, a function that takes it; the process layer's `pthread_atfork` handler runs them
-/// all on the forking thread before a fork and drops the guards after it, so a child never
-/// finds one of them held by a thread that does not exist there. Nothing here reaches into
-/// another layer: the layers come to it.
+/// mutex, a function that takes it; a `pthread_atfork` handler, installed with the first of
+/// them, runs them all on the forking thread before every fork of the process and drops the
+/// guards after it, so a child never finds one of them held by a thread that does not exist
+/// there. Every fork: tensorshare's own, and those it does not make (Python's `os.fork` and
+/// fork start method, a program's `libc::fork`), whose children use the same locks. Nothing
+/// here reaches into another layer: the layers come to it.
 pub(crate) mod fork {
     use std::any::Any;
+    use std::cell::{Cell, RefCell};
     use std::sync::Mutex;
 
     /// Takes one layer's locks: pushes their guards.
     pub(crate) type Guard = fn(&mut Vec<Box<dyn Any>>);
 
-    static GUARDS: Mutex<Vec<Guard>> = Mutex::new(Vec::new());
+    /// The order in which a fork takes the layers' locks: a lock that code holds while it
+    /// takes another comes first (an allocator makes an arena, which may found the cleanup
+    /// group), so that the forking thread never waits for one while holding a lock the
+    /// holder of that one waits for. Registration order would not do: statics are made on
+    /// first use, in any order.
+    #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+    pub(crate) enum Rank {
+        /// The queue registry and the forked children's outbox map.
+        Channel,
+        /// The received-arena cache.
+        Wire,
+        /// The arena allocators.
+        Allocator,
+        /// The cleanup group.
+        Group,
+        /// The arena layer's deferred work (taken with nothing else held).
+        Deferred,
+    }
+
+    static GUARDS: Mutex<Vec<(Rank, Guard)>> = Mutex::new(Vec::new());
 
     /// Registers a layer's guard (once per static: call it where the static is made).
-    pub(crate) fn guard(f: Guard) {
-        super::lock(&GUARDS).push(f);
+    pub(crate) fn guard(rank: Rank, f: Guard) {
+        hold_locks_across_forks();
+        super::lock(&GUARDS).push((rank, f));
+    }
+
+    thread_local! {
+        /// The guards the forking thread took before the fork, dropped after it.
+        static HELD: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };
+        /// Set while this thread forks a child that only calls `exec` (see `exec_only`).
+        static EXEC_ONLY: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Runs `f`, whose forks make children that only `exec` (std's `Command::spawn`), with
+    /// none of the locks taken around them: such a child never touches them, and `f` may be
+    /// called with one held (an allocator starting the cleanup group's cleaner), which the
+    /// fork would otherwise wait for forever.
+    pub(crate) fn exec_only<R>(f: impl FnOnce() -> R) -> R {
+        struct Reset(bool);
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                EXEC_ONLY.with(|e| e.set(self.0));
+            }
+        }
+        let _reset = Reset(EXEC_ONLY.with(|e| e.replace(true)));
+        f()
+    }
+
+    extern "C" fn before_fork() {
+        if EXEC_ONLY.with(Cell::get) {
+            return;
+        }
+        let guards = take_all();
+        HELD.with(|h| *h.borrow_mut() = guards);
+    }
+
+    extern "C" fn after_fork() {
+        HELD.with(|h| h.borrow_mut().clear());
+    }
+
+    fn hold_locks_across_forks() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: the handlers are plain extern "C" functions that run on the forking
+            // thread: the first takes tensorshare's static mutexes (waiting, as any caller
+            // would, for a thread that holds one to release it: none is held across a
+            // blocking wait) and keeps the guards in a thread local; the others drop them,
+            // in the parent, and in the child, where the mutexes' memory is a copy the
+            // forking thread owns the locks of.
+            unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        });
     }
 
     use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
@@ -90,14 +160,15 @@ pub(crate) mod fork {
         p
     }
 
-    /// Every registered guard's locks, taken in registration order, then the list's own
-    /// (a thread registering at the fork must not leave it locked in the child). The list
-    /// is not held while the others are taken: a thread making a layer's static registers
-    /// from inside that static's initialisation, which a guard may wait for.
+    /// Every registered guard's locks, taken in `Rank` order, then the list's own (a thread
+    /// registering at the fork must not leave it locked in the child). The list is not held
+    /// while the others are taken: a thread making a layer's static registers from inside
+    /// that static's initialisation, which a guard may wait for.
     pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
-        let fns: Vec<Guard> = super::lock(&GUARDS).clone();
+        let mut fns: Vec<(Rank, Guard)> = super::lock(&GUARDS).clone();
+        fns.sort_by_key(|&(rank, _)| rank);
         let mut out: Vec<Box<dyn Any>> = Vec::new();
-        for f in fns {
+        for (_, f) in fns {
             f(&mut out);
         }
         out.push(Box::new(super::lock(&GUARDS)));

@@ -67,7 +67,7 @@ static FS: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
 fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
     match strategy {
         SharingStrategy::FileDescriptor => FD.get_or_init(|| {
-            crate::util::fork::guard(|out| {
+            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
                 out.push(Box::new(lock(allocator(SharingStrategy::FileDescriptor))))
             });
             Mutex::new(Allocator::new())
@@ -80,7 +80,9 @@ fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
             // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
             // statics; atexit has no other contract.
             unsafe { libc::atexit(unlink_named_at_exit) };
-            crate::util::fork::guard(|out| out.push(Box::new(lock(allocator(SharingStrategy::FileSystem)))));
+            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
+                out.push(Box::new(lock(allocator(SharingStrategy::FileSystem))))
+            });
             Mutex::new(Allocator::new())
         }),
     }

@@ -96,7 +96,9 @@ pub(crate) fn idle() {
 fn deferred() -> &'static Mutex<Deferred> {
     static D: std::sync::OnceLock<Mutex<Deferred>> = std::sync::OnceLock::new();
     D.get_or_init(|| {
-        crate::util::fork::guard(|out| out.push(Box::new(lock(deferred()))));
+        crate::util::fork::guard(crate::util::fork::Rank::Deferred, |out| {
+            out.push(Box::new(lock(deferred())))
+        });
         Mutex::new(Deferred::default())
     })
 }

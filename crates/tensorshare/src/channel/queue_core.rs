@@ -44,7 +44,9 @@ type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
 fn registry() -> &'static Registry {
     static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
     R.get_or_init(|| {
-        crate::util::fork::guard(|out| out.push(Box::new(lock(registry()))));
+        crate::util::fork::guard(crate::util::fork::Rank::Channel, |out| {
+            out.push(Box::new(lock(registry())))
+        });
         Mutex::default()
     })
 }

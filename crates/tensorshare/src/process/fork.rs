@@ -21,7 +21,6 @@
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::atfork;
 use super::worker::{install_panic_hook, worker_main, ExitKind};
 use crate::{Error, Result};
 
@@ -71,7 +70,6 @@ fn check_threads() -> Result<()> {
 /// Forks a worker that reads its job from `job`.
 pub(crate) fn fork_worker(job: OwnedFd) -> Result<rustix::process::Pid> {
     check_threads()?;
-    atfork::register();
     install_panic_hook();
     let me = rustix::process::getpid().as_raw_nonzero().get();
     // SAFETY: fork has no memory-safety preconditions. In the child only this thread

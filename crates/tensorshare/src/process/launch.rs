@@ -238,7 +238,8 @@ pub(crate) fn exec_helper(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| Error::io(format!("starting a helper process ({cmd:?})"), e))?;
+    let child = crate::util::fork::exec_only(|| cmd.spawn())
+        .map_err(|e| Error::io(format!("starting a helper process ({cmd:?})"), e))?;
     drop(fd);
     rustix::process::Pid::from_raw(child.id() as i32)
         .ok_or_else(|| Error::io("starting a worker", std::io::Error::other("it has pid 0")))

@@ -4,7 +4,6 @@
 //! What users read about workers (who is one, what it runs, how a parent names a job) is
 //! in the crate docs, section *Workers*; `job` and `handshake` hold the mechanism.
 
-mod atfork;
 mod cleaner;
 mod context;
 mod fork;

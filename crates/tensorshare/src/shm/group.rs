@@ -50,6 +50,17 @@ struct Group {
 
 static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 
+/// This process's group, locked (taken around every fork, as the layers' other locks are:
+/// a thread founding one holds it while the cleaner starts, and a child forked meanwhile
+/// would otherwise find it held for good).
+fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
+    static GUARDED: std::sync::Once = std::sync::Once::new();
+    GUARDED.call_once(|| {
+        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())))
+    });
+    crate::util::lock(&GROUP)
+}
+
 /// The lock file's name for the group of `root`.
 pub(crate) fn lock_name(root: i32) -> String {
     format!("{NAME_PREFIX}{root}_group")
@@ -100,7 +111,7 @@ pub(crate) fn for_workers() -> Result<Option<i32>> {
 
 /// The root of this process's group, joining the inherited one or founding one.
 pub(crate) fn ensure() -> Result<i32> {
-    let mut g = crate::util::lock(&GROUP);
+    let mut g = group();
     if let Some(g) = g.as_ref() {
         return Ok(g.root);
     }
@@ -255,7 +266,7 @@ fn create_locked() -> Result<(i32, OwnedFd)> {
 /// unless that names a group already: see `create_locked`).
 #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub(crate) fn new_group() -> Result<i32> {
-    let mut g = crate::util::lock(&GROUP);
+    let mut g = group();
     if let Some(g) = g.as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid()) {
         return Ok(g.root);
     }
@@ -269,12 +280,12 @@ pub(crate) fn new_group() -> Result<i32> {
 /// The pid of the cleaner this process started for its group, if it founded one.
 #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub(crate) fn cleaner_pid() -> Option<i32> {
-    crate::util::lock(&GROUP).as_ref().and_then(|g| g.cleaner)
+    group().as_ref().and_then(|g| g.cleaner)
 }
 
 /// The current group's root, if this process is in one.
 pub(crate) fn current() -> Option<i32> {
-    crate::util::lock(&GROUP).as_ref().map(|g| g.root)
+    group().as_ref().map(|g| g.root)
 }
 
 /// Removes (or, with `dry_run`, lists) every file of the group of `root`, the lock file

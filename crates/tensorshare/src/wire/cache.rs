@@ -200,7 +200,7 @@ impl Cache {
 pub(crate) fn cache() -> MutexGuard<'static, Cache> {
     static CACHE: std::sync::OnceLock<Mutex<Cache>> = std::sync::OnceLock::new();
     crate::util::lock(CACHE.get_or_init(|| {
-        crate::util::fork::guard(|out| out.push(Box::new(cache())));
+        crate::util::fork::guard(crate::util::fork::Rank::Wire, |out| out.push(Box::new(cache())));
         Mutex::new(Cache {
             arenas: WeakMap::new(),
             storages: WeakMap::new(),

@@ -188,7 +188,6 @@ fn keep_children_waitable() -> bool {
 
 /// `fork()`: `None` in the child, the child's pid in the server.
 fn fork() -> std::io::Result<Option<Pid>> {
-    super::super::atfork::register();
     // SAFETY: fork has no memory-safety preconditions; what makes it sound is that the
     // child finds no lock held by a thread it lacks. The server is single-threaded: it is
     // this program re-executed, which went from `init()` (the first line of `main`, before

@@ -1,0 +1,86 @@
+//! A fork tensorshare did not make (Python's `os.fork`, a program's own `libc::fork`)
+//! leaves none of tensorshare's locks held in the child, whatever other threads were doing
+//! at the fork: the library's `pthread_atfork` handlers take its locks around every fork of
+//! a process that has made them, not only around its own.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::process::{pidfd_open, waitpid, Pid, PidfdFlags, WaitOptions};
+use tensorshare::{DType, Queue, Tensor};
+
+/// What a child does with every lock the threads below take: the queue registry (making a
+/// queue, flushing), the allocator (a shared tensor), the forked-outbox map (adopting).
+fn child_uses_every_lock() -> ! {
+    tensorshare::adopt_forked_queues();
+    let q = Queue::<Tensor>::new().unwrap();
+    let mut t = Tensor::zeros(&[256], DType::F32);
+    t.share_memory().unwrap();
+    q.put(t).unwrap();
+    drop(q);
+    tensorshare::flush_queues();
+    // SAFETY: _exit ends the child at once; it touches no state of this program.
+    unsafe { libc::_exit(0) }
+}
+
+/// Waits up to `secs` for `pid` to end; `false` (and the child killed and reaped) if it
+/// did not.
+fn ended_within(pid: Pid, secs: i64) -> bool {
+    let fd = pidfd_open(pid, PidfdFlags::empty()).unwrap();
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let timeout = Timespec { tv_sec: secs, tv_nsec: 0 };
+    let ended = poll(&mut fds, Some(&timeout)).unwrap() == 1;
+    if !ended {
+        // SAFETY: kill has no memory-safety preconditions; pid is our unreaped child.
+        unsafe { libc::kill(pid.as_raw_nonzero().get(), libc::SIGKILL) };
+    }
+    let (_, status) = waitpid(Some(pid), WaitOptions::empty()).unwrap().unwrap();
+    ended && status.exit_status() == Some(0)
+}
+
+#[test]
+fn a_child_of_a_foreign_fork_finds_no_tensorshare_lock_held() {
+    // A queue first, so that the locks exist before the threads below start.
+    let warm = Queue::<Tensor>::new().unwrap();
+    drop(warm);
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let q = Queue::<Tensor>::new().unwrap();
+                    let mut t = Tensor::zeros(&[64], DType::F32);
+                    t.share_memory().unwrap();
+                    q.put(t).unwrap();
+                    let _ = q.get().unwrap();
+                    tensorshare::flush_queues();
+                }
+            })
+        })
+        .collect();
+    let forks = 200;
+    let mut failed = None;
+    for i in 0..forks {
+        // SAFETY: fork has no memory-safety preconditions. The child only runs
+        // `child_uses_every_lock`, whose locks are what this test is about (libc's fork
+        // looks after malloc's), and leaves by _exit.
+        match unsafe { libc::fork() } {
+            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            0 => child_uses_every_lock(),
+            pid => {
+                let pid = Pid::from_raw(pid).unwrap();
+                if !ended_within(pid, 20) {
+                    failed = Some(i);
+                    break;
+                }
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in busy {
+        t.join().unwrap();
+    }
+    assert_eq!(failed, None, "a child forked beside busy threads hung or failed (of {forks} forks)");
+}
