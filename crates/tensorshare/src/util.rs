@@ -29,6 +29,42 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A multiplicative hash (FxHash's), for the maps of the per-message path, whose keys no
+/// peer chooses freely: addresses in this process, descriptor numbers, device/inode
+/// numbers the kernel gave, slot numbers checked against their arena. SipHash's flooding
+/// resistance buys nothing there, and costs a tenth of a small message's encoding.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FastHasher(u64);
+
+impl std::hash::Hasher for FastHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n.into());
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A `HashMap` with [`FastHasher`].
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+
 /// Fork safety for the library's own locks: each layer registers, when it makes a static
 /// mutex, a function that takes it; a `pthread_atfork` handler, installed with the first of
 /// them, runs them all on the forking thread before every fork of the process and drops the

@@ -141,7 +141,18 @@ impl Tensor {
         strides: &[usize],
         offset: usize,
     ) -> Result<Tensor> {
-        check_bounds(storage.len(), dtype, shape, strides, offset)?;
+        Tensor::from_storage_owned(storage, dtype, shape.to_vec(), strides.to_vec(), offset)
+    }
+
+    /// As [`Tensor::from_storage`], keeping the geometry it is given (a received tensor's).
+    pub(crate) fn from_storage_owned(
+        storage: Storage,
+        dtype: DType,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        offset: usize,
+    ) -> Result<Tensor> {
+        check_bounds(storage.len(), dtype, &shape, &strides, offset)?;
         // Every host storage made here is 64-byte aligned; one received from a peer whose
         // arena header claims an odd slot size would not be, and element accesses (the
         // atomic view, zero-copy borrows) rely on elements aligned to their size.
@@ -152,10 +163,17 @@ impl Tensor {
                 crate::storage::ALIGN
             )));
         }
-        let mut t = Tensor::from_parts(storage, dtype, shape.to_vec());
-        t.strides = strides.to_vec();
-        t.offset = offset;
-        Ok(t)
+        let device = storage.device();
+        Ok(Tensor {
+            storage,
+            dtype,
+            shape,
+            strides,
+            offset,
+            requires_grad: false,
+            kind: TensorKind::Tensor,
+            device,
+        })
     }
 }
 

@@ -2,7 +2,7 @@
 //! (segment, slot) → this process's storage, both held weakly, so that memory received
 //! twice, or coming back to the process that made it, is one mapping and one storage.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -21,39 +21,7 @@ const KEEP_MAPPED: usize = 16;
 const KEEP_LARGE_EACH: usize = 256 << 20;
 const KEEP_LARGE_TOTAL: usize = 512 << 20;
 
-/// A multiplicative hash (FxHash's): the keys are device/inode numbers, names this
-/// process made or checked, and slot numbers, so SipHash's flooding resistance buys
-/// nothing on this per-message path.
-#[derive(Default, Clone, Copy)]
-struct FastHasher(u64);
-
-impl std::hash::Hasher for FastHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(n.into());
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+use crate::util::FastMap;
 
 struct WeakMap<K, V> {
     map: FastMap<K, Weak<V>>,

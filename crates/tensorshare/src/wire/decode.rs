@@ -172,8 +172,9 @@ fn resolve_storages(
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
     let mut out: Vec<Option<Storage>> = Vec::with_capacity(descs.len());
-    // Slots this process does not hold yet, per segment: (slot, length, entries naming it).
-    let mut new: Vec<Vec<(u32, usize, Vec<usize>)>> = vec![Vec::new(); arenas.len()];
+    // Slots this process does not hold yet, per segment: (slot, length, entry naming it),
+    // one per entry (a message may name a slot twice).
+    let mut new: Vec<Vec<(u32, usize, usize)>> = vec![Vec::new(); arenas.len()];
     // Send events to wait on, once each (a message has one per device).
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut events = Vec::new();
@@ -192,12 +193,7 @@ fn resolve_storages(
                     match cache.storage(arena.segment().file_id(), *slot) {
                         Some(inner) => Some(existing(Storage::from_inner(inner), len)?),
                         None => {
-                            let pending = &mut new[*segment as usize];
-                            match pending.iter_mut().find(|(s, _, _)| s == slot) {
-                                Some((_, l, at)) if *l == len => at.push(i),
-                                Some(_) => return Err(Error::invalid("one slot named with two lengths")),
-                                None => pending.push((*slot, len, vec![i])),
-                            }
+                            new[*segment as usize].push((*slot, len, i));
                             None
                         }
                     }
@@ -212,20 +208,40 @@ fn resolve_storages(
             out[i] = Some(resolve_device(d, fds, &mut events)?);
         }
     }
-    for (i, (arena, pending)) in arenas.iter().zip(new).enumerate() {
+    for (i, (arena, mut pending)) in arenas.iter().zip(new).enumerate() {
         if pending.is_empty() {
             continue;
         }
-        let slots: Vec<u32> = pending.iter().map(|(s, _, _)| *s).collect();
-        let via = carried.get(i).filter(|_| borrow);
-        let handles = Slot::hold(arena, &slots, via)?;
-        let mut cache = cache::cache();
-        for (handle, (slot, len, at)) in handles.into_iter().zip(pending) {
-            let storage = Storage::from_shared(len, Shared::Slot(handle));
-            cache.insert_storage(arena.segment().file_id(), slot, &storage.inner);
-            for i in at {
-                out[i] = Some(storage.clone());
+        // The entries naming one slot side by side; each slot once, with one length.
+        pending.sort_unstable_by_key(|&(slot, _, at)| (slot, at));
+        let mut slots: Vec<u32> = Vec::with_capacity(pending.len());
+        for (k, &(slot, len, _)) in pending.iter().enumerate() {
+            match k.checked_sub(1).map(|p| pending[p]) {
+                Some((prev, prev_len, _)) if prev == slot => {
+                    if prev_len != len {
+                        return Err(Error::invalid("one slot named with two lengths"));
+                    }
+                }
+                _ => slots.push(slot),
             }
+        }
+        let via = carried.get(i).filter(|_| borrow);
+        let mut handles = Slot::hold(arena, &slots, via)?.into_iter();
+        let mut cache = cache::cache();
+        let mut last: Option<(u32, Storage)> = None;
+        for (slot, len, at) in pending {
+            let storage = match &last {
+                Some((s, storage)) if *s == slot => storage.clone(),
+                _ => {
+                    let handle =
+                        handles.next().ok_or_else(|| Error::invalid("a slot left without a handle"))?;
+                    let storage = Storage::from_shared(len, Shared::Slot(handle));
+                    cache.insert_storage(arena.segment().file_id(), slot, &storage.inner);
+                    last = Some((slot, storage.clone()));
+                    storage
+                }
+            };
+            out[at] = Some(storage);
         }
     }
     #[cfg(feature = "cuda")]
@@ -341,46 +357,5 @@ fn resolve_device(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{DType, Tensor};
-
-    /// `message` with its header changed by `f`.
-    fn edited(message: &[u8], f: impl FnOnce(&mut header::Header)) -> Vec<u8> {
-        let (mut h, body) = header::parse(message).unwrap();
-        f(&mut h);
-        let mut out = header::frame(&h, message.len() - body).unwrap();
-        out.extend_from_slice(&message[body..]);
-        out
-    }
-
-    fn fds(msg: &super::super::Encoded) -> Vec<OwnedFd> {
-        msg.borrowed_fds().iter().map(|f| f.try_clone_to_owned().unwrap()).collect()
-    }
-
-    /// A message whose table names one slot twice: with one length it is one storage (held
-    /// once, given back once), with two it is refused.
-    #[test]
-    fn a_slot_named_twice_is_one_storage_and_two_lengths_are_refused() {
-        let a = Tensor::empty_shared(&[16], DType::F32).unwrap();
-        let b = Tensor::empty_shared(&[16], DType::F32).unwrap();
-        let msg = crate::wire::encode(&(a, b)).unwrap(); // the tensors go: the message holds
-        let first = |h: &header::Header| match &h.storages[0] {
-            StorageDesc::Slot { segment, slot, len } => (*segment, *slot, *len),
-            _ => panic!("a slot"),
-        };
-        let same = edited(&msg.bytes, |h| {
-            let (segment, slot, len) = first(h);
-            h.storages[1] = StorageDesc::Slot { segment, slot, len };
-        });
-        let (x, y): (Tensor, Tensor) = decode(&same, fds(&msg), false).unwrap();
-        assert!(x.storage().ptr_eq(y.storage()), "one slot, one storage");
-        drop((x, y));
-        let two = edited(&msg.bytes, |h| {
-            let (segment, slot, len) = first(h);
-            h.storages[1] = StorageDesc::Slot { segment, slot, len: len / 2 };
-        });
-        let err = decode::<(Tensor, Tensor)>(&two, fds(&msg), false).unwrap_err();
-        assert!(err.to_string().contains("two lengths"), "{err}");
-    }
-}
+#[path = "decode_tests.rs"]
+mod tests;

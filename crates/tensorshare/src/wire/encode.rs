@@ -1,6 +1,5 @@
 //! Values into messages.
 
-use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -11,29 +10,31 @@ use super::header::{self, Header, SegmentDesc, StorageDesc};
 use super::{cache, Encoded, FdSource, LaneArena, LaneForm, ENCODING};
 use crate::arena::Arena;
 use crate::storage::Shared;
+use crate::util::FastMap;
 use crate::{Error, Result, Storage};
 
 #[derive(Default)]
 pub(super) struct EncodeCtx {
     fds: Vec<FdSource>,
-    fd_index: HashMap<i32, u32>,
+    fd_index: FastMap<i32, u32>,
     /// Arenas named so far, in table order, with the slots the message names in each.
     segments: Vec<(Arc<Arena>, Vec<u32>)>,
-    segment_index: HashMap<*const Arena, u32>,
+    segment_index: FastMap<*const Arena, u32>,
     storages: Vec<StorageDesc>,
-    storage_index: HashMap<*const crate::storage::Inner, u32>,
+    storage_index: FastMap<*const crate::storage::Inner, u32>,
     /// The send event recorded for this message, per device: one record covers every
     /// CUDA storage of the message on that device.
     #[cfg(feature = "cuda")]
-    events: HashMap<u32, crate::cuda::IpcBytes>,
+    events: std::collections::HashMap<u32, crate::cuda::IpcBytes>,
 }
 
 /// An `EncodeCtx`'s index maps, emptied.
-type Maps = (HashMap<i32, u32>, HashMap<*const Arena, u32>, HashMap<*const crate::storage::Inner, u32>);
+type Maps = (FastMap<i32, u32>, FastMap<*const Arena, u32>, FastMap<*const crate::storage::Inner, u32>);
 
-/// Most entries a spare map may have room for: a message of many storages does not leave
-/// its large maps to this thread for good.
-const SPARE_ROOM: usize = 64;
+/// Most entries a spare map may have room for: a message of a batch of small tensors reuses
+/// its maps (a map of this many entries is a few pages), and one of far more storages does
+/// not leave its large maps to this thread for good.
+const SPARE_ROOM: usize = 1024;
 
 thread_local! {
     /// The index maps of the last message encoded on this thread, emptied, for the next:

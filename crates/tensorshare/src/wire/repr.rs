@@ -11,7 +11,7 @@ use crate::{DType, Device, NestedTensor, SparseLayout, SparseTensor, Storage, Te
 // value layer's bridge (which holds Values), not through the codec.
 use crate::value::{bridge, Value};
 
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 struct Meta {
     dtype: DType,
     shape: Vec<usize>,
@@ -22,14 +22,27 @@ struct Meta {
     device: Device,
 }
 
+/// `Meta` as it is written: the same fields, borrowed from the tensor (a slice serializes
+/// as a `Vec` does), so that encoding a tensor copies none of its geometry.
+#[derive(Serialize)]
+struct MetaOut<'a> {
+    dtype: DType,
+    shape: &'a [usize],
+    strides: &'a [usize],
+    offset: usize,
+    requires_grad: bool,
+    kind: TensorKind,
+    device: Device,
+}
+
 #[derive(Serialize)]
 enum TensorOut<'a> {
     /// In a message: index of the storage in the message's table.
-    Handle { storage: u32, meta: Meta },
+    Handle { storage: u32, meta: MetaOut<'a> },
     /// Anywhere else: the elements, row-major.
-    Value { data: Bytes<'a>, meta: Meta },
+    Value { data: Bytes<'a>, meta: MetaOut<'a> },
     /// No data (meta device).
-    NoData { meta: Meta },
+    NoData { meta: MetaOut<'a> },
 }
 
 #[derive(Deserialize)]
@@ -45,9 +58,9 @@ impl Serialize for Tensor {
         if let Some(index) = bridge::put(|| Value::Tensor(self.clone())) {
             return s.serialize_newtype_struct(bridge::TOKEN, &index);
         }
-        let meta = |strides: Vec<usize>, offset| Meta {
+        let meta = |strides, offset| MetaOut {
             dtype: self.dtype,
-            shape: self.shape.clone(),
+            shape: &self.shape,
             strides,
             offset,
             requires_grad: self.requires_grad,
@@ -55,15 +68,15 @@ impl Serialize for Tensor {
             device: self.device,
         };
         match self.device {
-            Device::Meta => TensorOut::NoData { meta: meta(self.strides.clone(), 0) }.serialize(s),
+            Device::Meta => TensorOut::NoData { meta: meta(&self.strides, 0) }.serialize(s),
             Device::Cpu | Device::Cuda(_) if super::encoding() => {
                 let storage = super::encode_storage(&self.storage).map_err(super::ser_error)?;
-                TensorOut::Handle { storage, meta: meta(self.strides.clone(), self.offset) }.serialize(s)
+                TensorOut::Handle { storage, meta: meta(&self.strides, self.offset) }.serialize(s)
             }
             Device::Cpu | Device::Cuda(_) => {
                 let data = self.to_bytes().map_err(super::ser_error)?;
-                TensorOut::Value { data: Bytes(&data), meta: meta(contiguous_strides(&self.shape), 0) }
-                    .serialize(s)
+                let strides = contiguous_strides(&self.shape);
+                TensorOut::Value { data: Bytes(&data), meta: meta(&strides, 0) }.serialize(s)
             }
         }
     }
@@ -80,7 +93,7 @@ fn build(storage: Storage, m: Meta) -> crate::Result<Tensor> {
             storage.device()
         )));
     }
-    let mut t = Tensor::from_storage(storage, m.dtype, &m.shape, &m.strides, m.offset)
+    let mut t = Tensor::from_storage_owned(storage, m.dtype, m.shape, m.strides, m.offset)
         .map_err(|e| crate::Error::invalid(format!("tensor handle: {e}")))?;
     t.requires_grad = m.requires_grad;
     t.kind = m.kind;
