@@ -80,21 +80,20 @@ pub(crate) mod fork {
     /// Takes one layer's locks: pushes their guards.
     pub(crate) type Guard = fn(&mut Vec<Box<dyn Any>>);
 
-    /// The order in which a fork takes the layers' locks: a lock that code holds while it
-    /// takes another comes first (an allocator makes an arena, which may found the cleanup
-    /// group), so that the forking thread never waits for one while holding a lock the
-    /// holder of that one waits for. Registration order would not do: statics are made on
-    /// first use, in any order.
+    /// The order in which a fork takes the layers' locks: a lock that code may hold while
+    /// it takes another comes first, so that the forking thread never waits for one while
+    /// holding a lock the holder of that one waits for. Registration order would not do:
+    /// statics are made on first use, in any order.
     #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
     pub(crate) enum Rank {
-        /// The queue registry and the forked children's outbox map.
+        /// The queue registry.
         Channel,
+        /// The forked children's outbox map.
+        Forked,
         /// The received-arena cache.
         Wire,
         /// The arena allocators.
         Allocator,
-        /// The cleanup group.
-        Group,
         /// The arena layer's deferred work (taken with nothing else held).
         Deferred,
     }
@@ -115,9 +114,10 @@ pub(crate) mod fork {
     }
 
     /// Runs `f`, whose forks make children that only `exec` (std's `Command::spawn`), with
-    /// none of the locks taken around them: such a child never touches them, and `f` may be
-    /// called with one held (an allocator starting the cleanup group's cleaner), which the
-    /// fork would otherwise wait for forever.
+    /// none of the locks taken around them: such a child never touches them, so the fork
+    /// need not wait for whoever holds one. No caller holds one of these locks (a fork
+    /// under one would stall every other thread's fork, and on glibc before 2.36, which
+    /// keeps its own fork lock through the handlers, deadlock with them).
     pub(crate) fn exec_only<R>(f: impl FnOnce() -> R) -> R {
         struct Reset(bool);
         impl Drop for Reset {
@@ -129,16 +129,26 @@ pub(crate) mod fork {
         f()
     }
 
+    /// Whether this thread's forks take no lock: those of `exec_only`, and those of a thread
+    /// whose thread locals are gone (a fork from a thread local's destructor), which can
+    /// keep no guard; a panic here would abort the process.
+    fn takes_none() -> bool {
+        EXEC_ONLY.try_with(Cell::get).unwrap_or(true) || HELD.try_with(|_| ()).is_err()
+    }
+
     extern "C" fn before_fork() {
-        if EXEC_ONLY.with(Cell::get) {
+        if takes_none() {
             return;
         }
         let guards = take_all();
-        HELD.with(|h| *h.borrow_mut() = guards);
+        let _ = HELD.try_with(|h| *h.borrow_mut() = guards);
     }
 
     extern "C" fn after_fork() {
-        HELD.with(|h| h.borrow_mut().clear());
+        if takes_none() {
+            return;
+        }
+        let _ = HELD.try_with(|h| h.borrow_mut().clear());
     }
 
     fn hold_locks_across_forks() {
@@ -201,13 +211,23 @@ pub(crate) mod fork {
     /// while the others are taken: a thread making a layer's static registers from inside
     /// that static's initialisation, which a guard may wait for.
     pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
-        let mut fns: Vec<(Rank, Guard)> = super::lock(&GUARDS).clone();
-        fns.sort_by_key(|&(rank, _)| rank);
-        let mut out: Vec<Box<dyn Any>> = Vec::new();
-        for (_, f) in fns {
-            f(&mut out);
+        loop {
+            let mut fns: Vec<(Rank, Guard)> = super::lock(&GUARDS).clone();
+            let n = fns.len();
+            fns.sort_by_key(|&(rank, _)| rank);
+            let mut out: Vec<Box<dyn Any>> = Vec::new();
+            for (_, f) in fns {
+                f(&mut out);
+            }
+            let list = super::lock(&GUARDS);
+            if list.len() == n {
+                out.push(Box::new(list));
+                return out;
+            }
+            // A layer registered meanwhile: its lock too, in order (the guards taken are
+            // dropped, last first, before trying again).
+            drop(list);
+            while out.pop().is_some() {}
         }
-        out.push(Box::new(super::lock(&GUARDS)));
-        out
     }
 }

@@ -118,6 +118,13 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
     debug_assert!(len > 0);
     // Descriptors of received messages kept for later may hold our own slots: let them go.
     super::borrow::close_let_go();
+    if strategy == SharingStrategy::FileSystem {
+        // Named arenas belong to the cleanup group: found it (which starts its cleaner, a
+        // fork) before the allocator is locked. A fork while a lock that every fork takes is
+        // held stalls other threads' forks, and on glibc before 2.36, which keeps its own
+        // fork lock through the handlers, deadlocks with them.
+        crate::shm::group::ensure()?;
+    }
     let mut alloc = lock(allocator(strategy));
     alloc.drop_inherited();
     if len > 1 << MAX_SLOT_SHIFT {

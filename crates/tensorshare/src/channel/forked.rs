@@ -35,7 +35,7 @@ type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
 fn forked() -> &'static Forked {
     static F: OnceLock<Forked> = OnceLock::new();
     F.get_or_init(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Channel, |out| out.push(Box::new(lock(forked()))));
+        crate::util::fork::guard(crate::util::fork::Rank::Forked, |out| out.push(Box::new(lock(forked()))));
         Mutex::default()
     })
 }

@@ -97,7 +97,10 @@ impl Core {
         let id = (st.st_dev, st.st_ino);
         let mut reg = lock(registry());
         if let Some(core) = reg.get(&id).and_then(Weak::upgrade) {
+            drop(reg);
             drop((tx, rx));
+            // Not under the registry's lock: if this is the last handle, dropping it on an
+            // error flushes its outbox, which may wait.
             core.control.take_over(ctl)?;
             return Ok(core);
         }

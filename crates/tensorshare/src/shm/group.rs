@@ -50,14 +50,10 @@ struct Group {
 
 static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 
-/// This process's group, locked (taken around every fork, as the layers' other locks are:
-/// a thread founding one holds it while the cleaner starts, and a child forked meanwhile
-/// would otherwise find it held for good).
+/// This process's group, locked. Not taken around forks, as the layers' other locks are:
+/// founding a group holds it while the cleaner starts, a fork, and no lock that every fork
+/// takes may be held across one (see `util::fork::exec_only`).
 fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
-    static GUARDED: std::sync::Once = std::sync::Once::new();
-    GUARDED.call_once(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())))
-    });
     crate::util::lock(&GROUP)
 }
 
