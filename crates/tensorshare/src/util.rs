@@ -94,6 +94,8 @@ pub(crate) mod fork {
         Wire,
         /// The arena allocators.
         Allocator,
+        /// The cleanup group's record (an allocator reads it).
+        Group,
         /// The arena layer's deferred work (taken with nothing else held).
         Deferred,
     }

@@ -5,10 +5,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{pidfd_open, waitpid, Pid, PidfdFlags, WaitOptions};
-use tensorshare::{DType, Queue, Tensor};
+use tensorshare::{DType, Queue, SharingStrategy, Storage, Tensor};
 
 /// What a child does with every lock the threads below take: the queue registry (making a
 /// queue, flushing), the allocator (a shared tensor), the forked-outbox map (adopting).
@@ -33,12 +34,13 @@ fn use_the_locks() {
     tensorshare::flush_queues();
 }
 
-/// Waits up to `secs` for `pid` to end; `false` (and the child killed and reaped) if it
-/// did not.
-fn ended_within(pid: Pid, secs: i64) -> bool {
+/// Waits until `deadline` for `pid` to end; `false` (and the child killed and reaped) if it
+/// did not, or did not exit with 0.
+fn ended_by(pid: Pid, deadline: Instant) -> bool {
     let fd = pidfd_open(pid, PidfdFlags::empty()).unwrap();
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-    let timeout = Timespec { tv_sec: secs, tv_nsec: 0 };
+    let left = deadline.saturating_duration_since(Instant::now());
+    let timeout = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: left.subsec_nanos() as i64 };
     let ended = poll(&mut fds, Some(&timeout)).unwrap() == 1;
     if !ended {
         // SAFETY: kill has no memory-safety preconditions; pid is our unreaped child.
@@ -47,6 +49,9 @@ fn ended_within(pid: Pid, secs: i64) -> bool {
     let (_, status) = waitpid(Some(pid), WaitOptions::empty()).unwrap().unwrap();
     ended && status.exit_status() == Some(0)
 }
+
+/// How long a child that uses a few locks is given to end.
+const PATIENCE: Duration = Duration::from_secs(20);
 
 #[test]
 fn a_child_of_a_foreign_fork_finds_no_tensorshare_lock_held() {
@@ -75,7 +80,7 @@ fn a_child_of_a_foreign_fork_finds_no_tensorshare_lock_held() {
             0 => child_uses_every_lock(),
             pid => {
                 let pid = Pid::from_raw(pid).unwrap();
-                if !ended_within(pid, 20) {
+                if !ended_by(pid, Instant::now() + PATIENCE) {
                     failed = Some(i);
                     break;
                 }
@@ -87,4 +92,49 @@ fn a_child_of_a_foreign_fork_finds_no_tensorshare_lock_held() {
         t.join().unwrap();
     }
     assert_eq!(failed, None, "a child forked beside busy threads hung or failed (of {forks} forks)");
+}
+
+/// A child forked while another thread founds the process's cleanup group (its first
+/// `file_system` allocation: a lock file, the cleaner started, a fork of its own) can make
+/// named arenas too: it finds no lock held by that thread, and founds a group itself if the
+/// other had not finished.
+#[test]
+fn a_child_forked_while_the_cleanup_group_is_founded_can_use_it() {
+    let named = || Storage::empty_shared_with(64, SharingStrategy::FileSystem).map(drop);
+    let founded = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(std::sync::Barrier::new(2));
+    let founder = {
+        let (founded, start) = (founded.clone(), start.clone());
+        std::thread::spawn(move || {
+            start.wait();
+            let made = named();
+            founded.store(true, Ordering::Release);
+            made
+        })
+    };
+    // Children forked back to back while the founder works (and a few after), then each
+    // waited for.
+    start.wait();
+    let mut children = Vec::new();
+    while children.len() < 32 && !(founded.load(Ordering::Acquire) && children.len() >= 4) {
+        // SAFETY: as in the test above; the child makes one named arena and leaves by _exit.
+        match unsafe { libc::fork() } {
+            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            0 => {
+                let made = std::panic::catch_unwind(|| named().is_ok()).unwrap_or(false);
+                // SAFETY: _exit ends the child at once.
+                unsafe { libc::_exit(if made { 0 } else { 1 }) }
+            }
+            pid => children.push(Pid::from_raw(pid).unwrap()),
+        }
+    }
+    let deadline = Instant::now() + PATIENCE;
+    let failed = children.iter().filter(|&&pid| !ended_by(pid, deadline)).count();
+    founder.join().unwrap().unwrap();
+    assert_eq!(
+        failed,
+        0,
+        "of {} children forked while the group was founded, {failed} hung or failed",
+        children.len()
+    );
 }

@@ -26,6 +26,7 @@
 //! group's name. Anything less, and the program runs as usual.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
@@ -50,11 +51,49 @@ struct Group {
 
 static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 
-/// This process's group, locked. Not taken around forks, as the layers' other locks are:
-/// founding a group holds it while the cleaner starts, a fork, and no lock that every fork
-/// takes may be held across one (see `util::fork::exec_only`).
+/// This process's group, locked. Held only to read or set the record, never across a fork
+/// or a wait (founding or joining a group happens under `Founding`), so it is taken around
+/// forks as the layers' other locks are, and a forked child never finds it held.
 fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
+    static GUARDED: std::sync::Once = std::sync::Once::new();
+    GUARDED.call_once(|| {
+        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())))
+    });
     crate::util::lock(&GROUP)
+}
+
+/// The process in which a thread is founding or joining a group now (0: none). Not a
+/// mutex: founding starts the cleaner, a fork, which must not happen under a lock that
+/// every fork takes, and a child forked meanwhile must not wait for a thread it lacks. It
+/// finds its parent's pid here, not its own, and founds or joins a group itself.
+static FOUNDING: AtomicI32 = AtomicI32::new(0);
+
+/// This thread's turn to found or join this process's group.
+struct Founding(i32);
+
+impl Founding {
+    fn enter() -> Founding {
+        let me = crate::util::fork::pid();
+        loop {
+            match FOUNDING.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Founding(me),
+                // Left by a thread of a process this one was forked from.
+                Err(other) if other != me => {
+                    if FOUNDING.compare_exchange(other, me, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                        return Founding(me);
+                    }
+                }
+                // Another thread of this process is at it: founding takes milliseconds, once.
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        }
+    }
+}
+
+impl Drop for Founding {
+    fn drop(&mut self) {
+        let _ = FOUNDING.compare_exchange(self.0, 0, Ordering::Release, Ordering::Relaxed);
+    }
 }
 
 /// The lock file's name for the group of `root`.
@@ -107,24 +146,33 @@ pub(crate) fn for_workers() -> Result<Option<i32>> {
 
 /// The root of this process's group, joining the inherited one or founding one.
 pub(crate) fn ensure() -> Result<i32> {
-    let mut g = group();
-    if let Some(g) = g.as_ref() {
-        return Ok(g.root);
+    if let Some(root) = current() {
+        return Ok(root);
     }
-    if let Some(root) = std::env::var(GROUP_ENV).ok().and_then(|v| v.parse::<i32>().ok()) {
-        // Join the group this process was started in, if it still exists: once locked, the
-        // file must still be the one of that name (a group's cleaner, or a founder removing
-        // a dead group, unlinks it while holding its exclusive lock, which this waits for).
-        if let Ok(lock) = open_lock(root) {
-            lock_shared(&lock)?;
-            if is_named(&lock, root) {
-                *g = Some(Group { root, founder: 0, _lock: lock, cleaner: None });
-                return Ok(root);
-            }
-        }
+    let _turn = Founding::enter();
+    if let Some(root) = current() {
+        return Ok(root);
     }
-    *g = Some(found()?);
-    Ok(g.as_ref().expect("just founded").root)
+    let joined = join_inherited()?;
+    let g = match joined {
+        Some(g) => g,
+        None => found()?,
+    };
+    let root = g.root;
+    *group() = Some(g);
+    Ok(root)
+}
+
+/// The group this process was started in, joined, if it still exists: once locked, the
+/// file must still be the one of that name (a group's cleaner, or a founder removing a dead
+/// group, unlinks it while holding its exclusive lock, which this waits for).
+fn join_inherited() -> Result<Option<Group>> {
+    let Some(root) = std::env::var(GROUP_ENV).ok().and_then(|v| v.parse::<i32>().ok()) else {
+        return Ok(None);
+    };
+    let Ok(lock) = open_lock(root) else { return Ok(None) };
+    lock_shared(&lock)?;
+    Ok(is_named(&lock, root).then(|| Group { root, founder: 0, _lock: lock, cleaner: None }))
 }
 
 fn found() -> Result<Group> {
@@ -262,14 +310,17 @@ fn create_locked() -> Result<(i32, OwnedFd)> {
 /// unless that names a group already: see `create_locked`).
 #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub(crate) fn new_group() -> Result<i32> {
-    let mut g = group();
-    if let Some(g) = g.as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid()) {
-        return Ok(g.root);
+    let _turn = Founding::enter();
+    {
+        let mut g = group();
+        if let Some(g) = g.as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid()) {
+            return Ok(g.root);
+        }
+        *g = None; // closes our lock: we leave the old group
     }
-    *g = None; // closes our lock: we leave the old group
     let founded = found()?;
     let root = founded.root;
-    *g = Some(founded);
+    *group() = Some(founded);
     Ok(root)
 }
 
