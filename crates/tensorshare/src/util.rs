@@ -66,8 +66,8 @@ impl std::hash::Hasher for FastHasher {
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
 
 /// Fork safety for the library's own locks: each layer registers, when it makes a static
-/// mutex, a function that takes it; a `pthread_atfork` handler, installed with the first of
-/// them, runs them all on the forking thread before every fork of the process and drops the
+/// mutex, a function that takes it; a `pthread_atfork` handler, installed as the library
+/// loads, runs them all on the forking thread before every fork of the process and drops the
 /// guards after it, so a child never finds one of them held by a thread that does not exist
 /// there. Every fork: tensorshare's own, and those it does not make (Python's `os.fork` and
 /// fork start method, a program's `libc::fork`), whose children use the same locks. Nothing
@@ -75,7 +75,8 @@ pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::Build
 pub(crate) mod fork {
     use std::any::Any;
     use std::cell::{Cell, RefCell};
-    use std::sync::Mutex;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::OnceLock;
 
     /// Takes one layer's locks: pushes their guards.
     pub(crate) type Guard = fn(&mut Vec<Box<dyn Any>>);
@@ -100,12 +101,38 @@ pub(crate) mod fork {
         Deferred,
     }
 
-    static GUARDS: Mutex<Vec<(Rank, Guard)>> = Mutex::new(Vec::new());
+    /// Most guards: one per static mutex of the library (seven today).
+    const MAX_GUARDS: usize = 32;
+    /// The registered guards, without a lock: a thread registering one is inside a static's
+    /// initialisation, which must never wait for a fork (its child would inherit that
+    /// initialisation unfinished for good). `REGISTERED` counts the entries claimed; an
+    /// entry is set right after its claim.
+    static GUARDS: [OnceLock<(Rank, Guard)>; MAX_GUARDS] = [const { OnceLock::new() }; MAX_GUARDS];
+    static REGISTERED: AtomicUsize = AtomicUsize::new(0);
 
-    /// Registers a layer's guard (once per static: call it where the static is made).
+    /// Registers a layer's guard (once per static: call it first thing where the static is
+    /// made, so that a fork meanwhile waits for the static through the guard).
     pub(crate) fn guard(rank: Rank, f: Guard) {
+        // Done at load (`install`); here only where that did not run.
         hold_locks_across_forks();
-        super::lock(&GUARDS).push((rank, f));
+        let i = REGISTERED.fetch_add(1, Ordering::AcqRel);
+        debug_assert!(i < MAX_GUARDS, "more fork guards than MAX_GUARDS");
+        if let Some(entry) = GUARDS.get(i) {
+            let _ = entry.set((rank, f));
+        }
+    }
+
+    /// Installs the handlers as the library is loaded, while its process (or, for a Python
+    /// extension, its loading thread) makes no other use of it: installing them later, on
+    /// first use, would run `pthread_atfork` inside a `Once` that a fork in another thread
+    /// could leave unfinished in its child.
+    #[used]
+    #[link_section = ".init_array"]
+    static INSTALL: extern "C" fn() = install;
+
+    extern "C" fn install() {
+        hold_locks_across_forks();
+        watch();
     }
 
     thread_local! {
@@ -208,27 +235,30 @@ pub(crate) mod fork {
         p
     }
 
-    /// Every registered guard's locks, taken in `Rank` order, then the list's own (a thread
-    /// registering at the fork must not leave it locked in the child). The list is not held
-    /// while the others are taken: a thread making a layer's static registers from inside
-    /// that static's initialisation, which a guard may wait for.
+    /// Every registered guard's locks, taken in `Rank` order. A guard registered meanwhile
+    /// (a static made by another thread) is taken too: the whole set again, in order.
     pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
         loop {
-            let mut fns: Vec<(Rank, Guard)> = super::lock(&GUARDS).clone();
-            let n = fns.len();
+            let n = REGISTERED.load(Ordering::Acquire).min(MAX_GUARDS);
+            let mut fns: Vec<(Rank, Guard)> = GUARDS[..n]
+                .iter()
+                .map(|entry| loop {
+                    // Claimed, and set by its thread without waiting for anything.
+                    match entry.get() {
+                        Some(&g) => break g,
+                        None => std::thread::yield_now(),
+                    }
+                })
+                .collect();
             fns.sort_by_key(|&(rank, _)| rank);
             let mut out: Vec<Box<dyn Any>> = Vec::new();
             for (_, f) in fns {
                 f(&mut out);
             }
-            let list = super::lock(&GUARDS);
-            if list.len() == n {
-                out.push(Box::new(list));
+            if REGISTERED.load(Ordering::Acquire).min(MAX_GUARDS) == n {
                 return out;
             }
-            // A layer registered meanwhile: its lock too, in order (the guards taken are
-            // dropped, last first, before trying again).
-            drop(list);
+            // Dropped last first before trying again.
             while out.pop().is_some() {}
         }
     }

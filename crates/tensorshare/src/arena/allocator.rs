@@ -73,6 +73,9 @@ fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
             Mutex::new(Allocator::new())
         }),
         SharingStrategy::FileSystem => FS.get_or_init(|| {
+            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
+                out.push(Box::new(lock(allocator(SharingStrategy::FileSystem))))
+            });
             // Named arenas outlive the allocator's Rust values (statics are never dropped),
             // so their files are removed when the process exits normally (a forked worker,
             // which leaves without exit handlers, does it itself: `unlink_own_names`).
@@ -80,9 +83,6 @@ fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
             // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
             // statics; atexit has no other contract.
             unsafe { libc::atexit(unlink_named_at_exit) };
-            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
-                out.push(Box::new(lock(allocator(SharingStrategy::FileSystem))))
-            });
             Mutex::new(Allocator::new())
         }),
     }

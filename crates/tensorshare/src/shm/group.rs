@@ -311,16 +311,16 @@ fn create_locked() -> Result<(i32, OwnedFd)> {
 #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub(crate) fn new_group() -> Result<i32> {
     let _turn = Founding::enter();
+    if let Some(g) = group().as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid())
     {
-        let mut g = group();
-        if let Some(g) = g.as_ref().filter(|g| g.cleaner.is_some() && g.founder == crate::util::fork::pid()) {
-            return Ok(g.root);
-        }
-        *g = None; // closes our lock: we leave the old group
+        return Ok(g.root);
     }
+    // Founded before the old group is left, so that the record is never empty meanwhile (an
+    // allocator that reads it then would found one under its lock).
     let founded = found()?;
     let root = founded.root;
-    *group() = Some(founded);
+    let old = group().replace(founded);
+    drop(old); // closes our lock: we leave the old group
     Ok(root)
 }
 
