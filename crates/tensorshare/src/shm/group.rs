@@ -26,7 +26,7 @@
 //! group's name. Anything less, and the program runs as usual.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
@@ -55,10 +55,11 @@ static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 /// or a wait (founding or joining a group happens under `Founding`), so it is taken around
 /// forks as the layers' other locks are, and a forked child never finds it held.
 fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
-    static GUARDED: std::sync::Once = std::sync::Once::new();
-    GUARDED.call_once(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())))
-    });
+    // Not a `Once`, which a fork could leave running in its child for good.
+    static GUARDED: AtomicBool = AtomicBool::new(false);
+    if !GUARDED.swap(true, Ordering::AcqRel) {
+        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())));
+    }
     crate::util::lock(&GROUP)
 }
 
@@ -153,8 +154,7 @@ pub(crate) fn ensure() -> Result<i32> {
     if let Some(root) = current() {
         return Ok(root);
     }
-    let joined = join_inherited()?;
-    let g = match joined {
+    let g = match join_inherited()? {
         Some(g) => g,
         None => found()?,
     };
