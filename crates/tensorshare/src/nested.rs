@@ -143,7 +143,7 @@ impl NestedTensor {
 
     /// Each component's strides (contiguous).
     pub fn strides(&self) -> Vec<Vec<usize>> {
-        self.sizes.iter().map(|s| contiguous_strides(s)).collect()
+        self.sizes.iter().map(|s| contiguous_strides(s).into_vec()).collect()
     }
 
     /// Each component's first element in the buffer.

@@ -2,11 +2,11 @@
 //! over an existing [`Storage`] with explicit geometry (checked against it).
 
 use super::geometry::{byte_len, check_bounds, checked_numel, contiguous_strides};
-use super::{Tensor, TensorKind};
+use super::{Dims, Tensor, TensorKind};
 use crate::{get_sharing_strategy, DType, Device, Element, Error, Result, SharingStrategy, Storage};
 
 impl Tensor {
-    pub(crate) fn from_parts(storage: Storage, dtype: DType, shape: Vec<usize>) -> Tensor {
+    pub(crate) fn from_parts(storage: Storage, dtype: DType, shape: Dims) -> Tensor {
         let storage_device = storage.device();
         let strides = contiguous_strides(&shape);
         Tensor {
@@ -41,7 +41,7 @@ impl Tensor {
         // SAFETY: the storage is fresh, private and exactly bytes.len() long; no other
         // handle to it exists yet.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_mut_ptr(), bytes.len()) };
-        Ok(Tensor::from_parts(storage, T::DTYPE, shape.to_vec()))
+        Ok(Tensor::from_parts(storage, T::DTYPE, shape.into()))
     }
 
     /// A private tensor of zeros.
@@ -57,7 +57,7 @@ impl Tensor {
     /// cannot be allocated.
     pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
         let storage = Storage::try_new(byte_len(shape, dtype)?)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
+        Ok(Tensor::from_parts(storage, dtype, shape.into()))
     }
 
     /// A private tensor of ones.
@@ -90,13 +90,13 @@ impl Tensor {
     /// [`Tensor::empty_shared`] with an explicit strategy.
     pub fn empty_shared_with(shape: &[usize], dtype: DType, strategy: SharingStrategy) -> Result<Tensor> {
         let storage = Storage::empty_shared_with(byte_len(shape, dtype)?, strategy)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
+        Ok(Tensor::from_parts(storage, dtype, shape.into()))
     }
 
     /// A tensor in shared memory filled with zeros.
     pub fn zeros_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
         let storage = Storage::new_shared(byte_len(shape, dtype)?)?;
-        Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
+        Ok(Tensor::from_parts(storage, dtype, shape.into()))
     }
 
     /// A tensor on the meta device: a shape and a dtype, no data.
@@ -113,7 +113,7 @@ impl Tensor {
     /// the byte size are exact for it too.
     pub fn try_meta(shape: &[usize], dtype: DType) -> Result<Tensor> {
         byte_len(shape, dtype)?;
-        let mut t = Tensor::from_parts(Storage::try_new(0)?, dtype, shape.to_vec());
+        let mut t = Tensor::from_parts(Storage::try_new(0)?, dtype, shape.into());
         t.device = Device::Meta;
         Ok(t)
     }
@@ -129,7 +129,7 @@ impl Tensor {
             ));
         }
         let mut t = Tensor::try_meta(shape, dtype)?;
-        t.strides = strides.to_vec();
+        t.strides = strides.into();
         Ok(t)
     }
 
@@ -141,15 +141,15 @@ impl Tensor {
         strides: &[usize],
         offset: usize,
     ) -> Result<Tensor> {
-        Tensor::from_storage_owned(storage, dtype, shape.to_vec(), strides.to_vec(), offset)
+        Tensor::from_storage_owned(storage, dtype, shape.into(), strides.into(), offset)
     }
 
     /// As [`Tensor::from_storage`], keeping the geometry it is given (a received tensor's).
     pub(crate) fn from_storage_owned(
         storage: Storage,
         dtype: DType,
-        shape: Vec<usize>,
-        strides: Vec<usize>,
+        shape: Dims,
+        strides: Dims,
         offset: usize,
     ) -> Result<Tensor> {
         check_bounds(storage.len(), dtype, &shape, &strides, offset)?;

@@ -32,9 +32,9 @@ impl Tensor {
         match device {
             Device::Cuda(i) => {
                 let storage = Storage::from_shared(len, Shared::Device(Box::new(Allocation::new(i, len)?)));
-                Ok(Tensor::from_parts(storage, dtype, shape.to_vec()))
+                Ok(Tensor::from_parts(storage, dtype, shape.into()))
             }
-            Device::Cpu => Ok(Tensor::from_parts(Storage::new(len), dtype, shape.to_vec())),
+            Device::Cpu => Ok(Tensor::from_parts(Storage::new(len), dtype, shape.into())),
             Device::Meta => Tensor::try_meta(shape, dtype),
         }
     }

@@ -5,8 +5,8 @@
 use crate::{DType, Error, Result};
 
 /// Strides of a contiguous (row-major) tensor of `shape`, in elements.
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
+pub(crate) fn contiguous_strides(shape: &[usize]) -> super::Dims {
+    let mut strides = super::Dims::from(shape);
     let mut acc = 1usize;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = acc;

@@ -14,6 +14,7 @@ mod borrow;
 mod constructors;
 #[cfg(feature = "cuda")]
 mod device;
+mod dims;
 mod elements;
 mod geometry;
 #[cfg(feature = "mpi")]
@@ -21,6 +22,7 @@ mod range;
 mod view;
 
 pub use atomic::{AtomicElement, AtomicView};
+pub(crate) use dims::Dims;
 pub(crate) use geometry::{checked_numel, contiguous_strides};
 
 use serde::{Deserialize, Serialize};
@@ -54,8 +56,8 @@ pub enum TensorKind {
 pub struct Tensor {
     pub(crate) storage: Storage,
     pub(crate) dtype: DType,
-    pub(crate) shape: Vec<usize>,
-    pub(crate) strides: Vec<usize>,
+    pub(crate) shape: Dims,
+    pub(crate) strides: Dims,
     pub(crate) offset: usize,
     pub(crate) requires_grad: bool,
     pub(crate) kind: TensorKind,
@@ -224,7 +226,7 @@ impl Tensor {
         if self.is_contiguous() {
             Ok(())
         } else {
-            Err(Error::NotContiguous { shape: self.shape.clone(), strides: self.strides.clone() })
+            Err(Error::NotContiguous { shape: self.shape.to_vec(), strides: self.strides.to_vec() })
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Views: new geometry over the same storage.
 
-use super::{checked_numel, contiguous_strides, Tensor};
+use super::{checked_numel, contiguous_strides, Dims, Tensor};
 use crate::{Error, Result};
 
 impl Tensor {
@@ -139,7 +139,7 @@ impl Tensor {
         }
         if let Some(strides) = view_strides(&self.shape, &self.strides, shape) {
             let mut t = self.clone();
-            t.shape = shape.to_vec();
+            t.shape = shape.into();
             t.strides = strides;
             return Ok(t);
         }
@@ -173,11 +173,11 @@ impl Tensor {
 /// Strides that let `new` view the elements of (`old`, `old_strides`) in row-major order,
 /// if they exist (torch's `computeStride`): each run of old dimensions that is contiguous
 /// within itself may be split or merged freely.
-fn view_strides(old: &[usize], old_strides: &[usize], new: &[usize]) -> Option<Vec<usize>> {
+fn view_strides(old: &[usize], old_strides: &[usize], new: &[usize]) -> Option<Dims> {
     if old.is_empty() || old.contains(&0) {
         return Some(contiguous_strides(new));
     }
-    let mut new_strides = vec![0usize; new.len()];
+    let mut new_strides = Dims::from(new);
     let mut view_d = new.len() as isize - 1;
     let mut chunk_base = *old_strides.last()?;
     let mut tensor_numel = 1usize;

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::bytes::{ByteBuf, Bytes};
-use crate::tensor::contiguous_strides;
+use crate::tensor::{contiguous_strides, Dims};
 use crate::{DType, Device, NestedTensor, SparseLayout, SparseTensor, Storage, Tensor, TensorKind};
 
 // layering: inside value::to_value and from_value, a tensor crosses untouched through the
@@ -14,8 +14,8 @@ use crate::value::{bridge, Value};
 #[derive(Deserialize)]
 struct Meta {
     dtype: DType,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
+    shape: Dims,
+    strides: Dims,
     offset: usize,
     requires_grad: bool,
     kind: TensorKind,
