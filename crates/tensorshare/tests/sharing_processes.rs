@@ -44,6 +44,7 @@ each_strategy!(
     test_parameter_sharing,
     test_integer_parameter_serialization,
     test_views_alias_in_the_worker,
+    test_geometry_of_every_rank_crosses,
 );
 
 fn shared(mut t: Tensor, s: SharingStrategy) -> Tensor {
@@ -246,6 +247,54 @@ fn test_views_alias_in_the_worker(s: SharingStrategy) {
     for r in 0..4 {
         assert_eq!(v[r * 4 + 3], 9);
     }
+}
+
+/// Shapes and strides of 0 to 7 dimensions (kept inline up to four, beyond on the heap)
+/// reach a worker as they were, permuted and offset views included, and still alias.
+fn test_geometry_of_every_rank_crosses(s: SharingStrategy) {
+    let base = shared(Tensor::zeros(&[2, 3, 2, 2, 3, 2, 2], DType::I16), s);
+    let mut scalar = base.clone();
+    for _ in 0..7 {
+        scalar = scalar.select(0, 1).unwrap(); // a 0-d view, at an offset
+    }
+    let views: Vec<Tensor> = vec![
+        scalar,
+        base.select(0, 1).unwrap().select(0, 2).unwrap().select(0, 0).unwrap().reshape(&[24]).unwrap(),
+        base.reshape(&[12, 24]).unwrap().t().unwrap(),
+        base.reshape(&[6, 4, 3, 4]).unwrap().narrow(2, 1, 2).unwrap(),
+        base.reshape(&[2, 3, 4, 3, 4]).unwrap().permute(&[4, 2, 0, 3, 1]).unwrap(),
+        base.reshape(&[2, 3, 2, 2, 3, 4]).unwrap().narrow(5, 1, 2).unwrap(),
+        base.permute(&[6, 5, 4, 3, 2, 1, 0]).unwrap(),
+    ];
+    let geometry = |ts: &[Tensor]| -> Vec<(Vec<usize>, Vec<usize>, usize)> {
+        ts.iter().map(|t| (t.shape().to_vec(), t.strides().to_vec(), t.storage_offset())).collect()
+    };
+    let sent = geometry(&views);
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let back: Queue<Vec<(Vec<usize>, Vec<usize>, usize)>> = Queue::new().unwrap();
+    q.put(views.clone()).unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, back): (Queue<Vec<Tensor>>, Queue<Vec<(Vec<usize>, Vec<usize>, usize)>>)| {
+            let got = q.get().unwrap();
+            back.put(
+                got.iter().map(|t| (t.shape().to_vec(), t.strides().to_vec(), t.storage_offset())).collect(),
+            )
+            .unwrap();
+            // The last view's first element is the base's first; the 6-d view's, its
+            // element 1 along the last axis.
+            got[6].narrow(0, 0, 1).unwrap().fill(7i16).unwrap();
+            got[5].narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap().fill(5i16).unwrap();
+        },
+        (q.clone(), back.clone()),
+        1,
+    )
+    .unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert_eq!(back.get().unwrap(), sent);
+    assert_eq!(sent.iter().map(|g| g.0.len()).collect::<Vec<_>>(), [0, 1, 2, 4, 5, 6, 7]);
+    let v = base.to_vec::<i16>().unwrap();
+    assert_eq!(v[0], 7, "the 7-d view aliases the base");
+    assert_eq!(v[1], 5, "the 6-d view aliases the base");
 }
 
 /// torch's file_descriptor strategy needs the sender alive until the receiver has the fd

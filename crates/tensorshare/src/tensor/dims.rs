@@ -73,7 +73,14 @@ impl Dims {
                 *len -= 1;
                 d
             }
-            Dims::Heap(v) => v.remove(at),
+            Dims::Heap(v) => {
+                let d = v.remove(at);
+                // Back inline once it fits, so that clones of it stop allocating.
+                if v.len() <= INLINE {
+                    *self = Dims::from(v.as_slice());
+                }
+                d
+            }
         }
     }
 }
@@ -229,6 +236,10 @@ mod tests {
         assert_eq!(d.remove(3), 8);
         d.insert(0, 1);
         assert_eq!(&d[..], &[1, 7, 9, 4]);
+        d.push(2);
+        assert!(matches!(d, Dims::Heap(_)));
+        assert_eq!(d.remove(4), 2);
+        assert!(matches!(d, Dims::Inline { .. }), "back inline once it fits");
         assert_eq!((&d).into_iter().sum::<usize>(), 21);
         assert_eq!(format!("{d:?}"), "[1, 7, 9, 4]");
     }
@@ -240,6 +251,22 @@ mod tests {
             let bytes = postcard::to_allocvec(&v[..]).unwrap();
             let d: Dims = postcard::from_bytes(&bytes).unwrap();
             assert_eq!(&d[..], &v[..]);
+        }
+        // Every prefix and every one-byte change of an encoding reads as a `Vec` reads it:
+        // the same values or an error for both.
+        let bytes = postcard::to_allocvec(&[1usize, 300, 70000, 1 << 40, 5, 6][..]).unwrap();
+        let mut inputs: Vec<Vec<u8>> = (0..=bytes.len()).map(|n| bytes[..n].to_vec()).collect();
+        for i in 0..bytes.len() {
+            for b in [0u8, 0x7f, 0x80, 0xff] {
+                let mut m = bytes.clone();
+                m[i] = b;
+                inputs.push(m);
+            }
+        }
+        for input in &inputs {
+            let as_vec = postcard::from_bytes::<Vec<usize>>(input).ok();
+            let as_dims = postcard::from_bytes::<Dims>(input).ok().map(Dims::into_vec);
+            assert_eq!(as_dims, as_vec, "input {input:?}");
         }
         // A claimed length beyond the bytes sent is an error, not an allocation of it.
         let lie = postcard::to_allocvec(&u32::MAX).unwrap();

@@ -210,8 +210,8 @@ struct ReprIn {
 struct TensorIn {
     name: String,
     dtype: DType,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
+    shape: crate::tensor::Dims,
+    strides: crate::tensor::Dims,
     offset: usize,
 }
 
@@ -239,7 +239,7 @@ impl<'de> Deserialize<'de> for Weights {
         let mut tensors = Vec::with_capacity(r.tensors.len());
         for t in r.tensors {
             // Checked against the storage like any received tensor.
-            let view = Tensor::from_storage(r.storage.clone(), t.dtype, &t.shape, &t.strides, t.offset)
+            let view = Tensor::from_storage_owned(r.storage.clone(), t.dtype, t.shape, t.strides, t.offset)
                 .map_err(|e| D::Error::custom(format!("weights tensor {:?}: {e}", t.name)))?;
             tensors.push((t.name, view));
         }
