@@ -184,6 +184,17 @@ pub mod raw {
         q.lane_claimed()
     }
 
+    /// The layers whose locks no fork guard takes yet (see `util::fork`): empty from the
+    /// moment the library is loaded, before any of it is used.
+    pub fn layers_without_fork_guard() -> Vec<String> {
+        let registered = crate::util::fork::registered();
+        crate::util::fork::Rank::ALL
+            .iter()
+            .filter(|rank| !registered.contains(rank))
+            .map(|rank| format!("{rank:?}"))
+            .collect()
+    }
+
     /// A message back into a value, as a receiver would.
     pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
         crate::wire::decode(bytes, fds, false)

@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::{Arena, Slot, MAX_SLOTS, PAGE};
+use crate::util::fork::Lazy;
 use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
@@ -61,31 +62,36 @@ impl Allocator {
     }
 }
 
-static FD: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
-static FS: std::sync::OnceLock<Mutex<Allocator>> = std::sync::OnceLock::new();
+static FD: Lazy<Mutex<Allocator>> = Lazy::new();
+static FS: Lazy<Mutex<Allocator>> = Lazy::new();
+
+// Neither allocator is locked while the other is held.
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Allocator, |out| {
+    for alloc in [FD.get(), FS.get()].into_iter().flatten() {
+        out.push(Box::new(lock(alloc)))
+    }
+});
 
 fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
     match strategy {
-        SharingStrategy::FileDescriptor => FD.get_or_init(|| {
-            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
-                out.push(Box::new(lock(allocator(SharingStrategy::FileDescriptor))))
-            });
-            Mutex::new(Allocator::new())
-        }),
-        SharingStrategy::FileSystem => FS.get_or_init(|| {
-            crate::util::fork::guard(crate::util::fork::Rank::Allocator, |out| {
-                out.push(Box::new(lock(allocator(SharingStrategy::FileSystem))))
-            });
-            // Named arenas outlive the allocator's Rust values (statics are never dropped),
-            // so their files are removed when the process exits normally (a forked worker,
-            // which leaves without exit handlers, does it itself: `unlink_own_names`).
-            // Processes that hold them keep their memory through their descriptors.
-            // SAFETY: registers a plain `extern "C" fn()` that touches only this module's
-            // statics; atexit has no other contract.
-            unsafe { libc::atexit(unlink_named_at_exit) };
-            Mutex::new(Allocator::new())
-        }),
+        SharingStrategy::FileDescriptor => FD.get_or_make(|| Mutex::new(Allocator::new())),
+        SharingStrategy::FileSystem => FS.get_or_make(|| Mutex::new(Allocator::new())),
     }
+}
+
+/// Named arenas outlive the allocator's Rust values (statics are never dropped), so their
+/// files are removed when the process exits normally (a forked worker, which leaves without
+/// exit handlers, does it itself: `unlink_own_names`). Processes that hold them keep their
+/// memory through their descriptors. Registered as the library loads, not when the first
+/// named arena is made: making the allocator must have no effect beyond its value (`Lazy`).
+#[used]
+#[link_section = ".init_array"]
+static UNLINK_AT_EXIT: extern "C" fn() = unlink_at_exit;
+
+extern "C" fn unlink_at_exit() {
+    // SAFETY: registers a plain `extern "C" fn()` that touches only this module's statics
+    // (and does nothing where no named arena was made); atexit has no other contract.
+    unsafe { libc::atexit(unlink_named_at_exit) };
 }
 
 extern "C" fn unlink_named_at_exit() {

@@ -93,14 +93,16 @@ pub(crate) fn idle() {
     }
 }
 
+static DEFERRED: crate::util::fork::Lazy<Mutex<Deferred>> = crate::util::fork::Lazy::new();
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Deferred, |out| {
+    if let Some(d) = DEFERRED.get() {
+        out.push(Box::new(lock(d)))
+    }
+});
+
 fn deferred() -> &'static Mutex<Deferred> {
-    static D: std::sync::OnceLock<Mutex<Deferred>> = std::sync::OnceLock::new();
-    D.get_or_init(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Deferred, |out| {
-            out.push(Box::new(lock(deferred())))
-        });
-        Mutex::new(Deferred::default())
-    })
+    DEFERRED.get_or_make(Mutex::default)
 }
 
 /// `arena` has borrowed holds to settle.

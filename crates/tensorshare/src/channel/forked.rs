@@ -10,9 +10,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use super::outbox::Outbox;
+use crate::util::fork::Lazy;
 use crate::util::lock;
 
 /// The process that called `adopt_forked`, if any (0: none).
@@ -32,12 +33,16 @@ pub(super) fn adopted() -> bool {
 /// inherited outbox's address (see `Outbox::mine`).
 type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
 
+static FORKED: Lazy<Forked> = Lazy::new();
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Forked, |out| {
+    if let Some(f) = FORKED.get() {
+        out.push(Box::new(lock(f)))
+    }
+});
+
 fn forked() -> &'static Forked {
-    static F: OnceLock<Forked> = OnceLock::new();
-    F.get_or_init(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Forked, |out| out.push(Box::new(lock(forked()))));
-        Mutex::default()
-    })
+    FORKED.get_or_make(Mutex::default)
 }
 
 /// The outbox this process made in place of the inherited one at `key`, if any.

@@ -8,7 +8,6 @@
 //! written before the record is sent, and its writing end is closed so that its end shows.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::OnceLock;
 
 use rustix::event::PollFlags;
 use serde::de::DeserializeOwned;
@@ -45,8 +44,8 @@ pub(crate) fn is_nudge(record: &Record) -> bool {
 pub use crate::shm::sealed::MAX_MESSAGE_ENV;
 
 fn max_message_bytes() -> u64 {
-    static MAX: OnceLock<u64> = OnceLock::new();
-    *MAX.get_or_init(|| std::env::var(MAX_MESSAGE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30))
+    static MAX: crate::util::fork::Lazy<u64> = crate::util::fork::Lazy::new();
+    *MAX.get_or_make(|| std::env::var(MAX_MESSAGE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30))
 }
 
 /// A message framed for the socket.

@@ -41,14 +41,16 @@ impl Drop for Core {
 
 type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
 
+static REGISTRY: crate::util::fork::Lazy<Registry> = crate::util::fork::Lazy::new();
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Channel, |out| {
+    if let Some(r) = REGISTRY.get() {
+        out.push(Box::new(lock(r)))
+    }
+});
+
 fn registry() -> &'static Registry {
-    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
-    R.get_or_init(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Channel, |out| {
-            out.push(Box::new(lock(registry())))
-        });
-        Mutex::default()
-    })
+    REGISTRY.get_or_make(Mutex::default)
 }
 
 /// See `channel::close_idle_lanes`.

@@ -51,7 +51,7 @@
 
 use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use dlpark::ffi::{DLDataType, DLDevice, DLDeviceType};
 use dlpark::metadata::Dynamic;
@@ -74,9 +74,18 @@ struct Export {
 /// The addresses of this process's live [`Export`]s, so that [`from_dlpack`] can tell its
 /// own exports from any other producer's without reading memory it does not own.
 fn live() -> &'static Mutex<HashSet<usize>> {
-    static LIVE: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    LIVE.get_or_init(Default::default)
+    LIVE.get_or_make(Default::default)
 }
+
+static LIVE: crate::util::fork::Lazy<Mutex<HashSet<usize>>> = crate::util::fork::Lazy::new();
+
+// A fork while another thread exports or imports would otherwise leave the set locked in
+// the child for good.
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Interop, |out| {
+    if let Some(live) = LIVE.get() {
+        out.push(Box::new(crate::util::lock(live)))
+    }
+});
 
 impl Drop for Export {
     fn drop(&mut self) {

@@ -11,7 +11,6 @@
 //! and a shared library by its build-id, sent with the name.
 
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -40,8 +39,8 @@ pub(crate) struct ExeId {
 impl ExeId {
     /// This process's executable (computed once).
     pub(crate) fn current() -> Result<&'static ExeId, String> {
-        static ID: OnceLock<Result<ExeId, String>> = OnceLock::new();
-        ID.get_or_init(|| {
+        static ID: crate::util::fork::Lazy<Result<ExeId, String>> = crate::util::fork::Lazy::new();
+        ID.get_or_make(|| {
             let st =
                 rustix::fs::stat("/proc/self/exe").map_err(|e| format!("cannot stat /proc/self/exe: {e}"))?;
             let mut build_id = None;

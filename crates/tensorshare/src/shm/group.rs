@@ -26,7 +26,7 @@
 //! group's name. Anything less, and the program runs as usual.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
@@ -51,34 +51,41 @@ struct Group {
 
 static GROUP: Mutex<Option<Group>> = Mutex::new(None);
 
-/// This process's group, locked. Held only to read or set the record, never across a fork
-/// or a wait (founding or joining a group happens under `Founding`), so it is taken around
-/// forks as the layers' other locks are, and a forked child never finds it held.
+// Held only to read or set the record, never across a fork or a wait (founding or joining
+// a group happens under `Founding`), so it is taken around forks as the layers' other
+// locks are, and a forked child never finds it held.
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())));
+
+/// This process's group, locked.
 fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
-    // Not a `Once`, which a fork could leave running in its child for good.
-    static GUARDED: AtomicBool = AtomicBool::new(false);
-    if !GUARDED.swap(true, Ordering::AcqRel) {
-        crate::util::fork::guard(crate::util::fork::Rank::Group, |out| out.push(Box::new(group())));
-    }
     crate::util::lock(&GROUP)
 }
 
-/// The process in which a thread is founding or joining a group now (0: none). Not a
-/// mutex: founding starts the cleaner, a fork, which must not happen under a lock that
-/// every fork takes, and a child forked meanwhile must not wait for a thread it lacks. It
-/// finds its parent's pid here, not its own, and founds or joins a group itself.
-static FOUNDING: AtomicI32 = AtomicI32::new(0);
+/// The process in which a thread is founding or joining a group now (0: none), as its
+/// `stamp`. Not a mutex: founding starts the cleaner, a fork, which must not happen under a
+/// lock that every fork takes, and a child forked meanwhile must not wait for a thread it
+/// lacks. It finds an ancestor's stamp here, never its own, and founds or joins a group
+/// itself.
+static FOUNDING: AtomicU64 = AtomicU64::new(0);
+
+/// This process among those whose stamps `FOUNDING` can hold (its own, and its ancestors'
+/// inherited by fork since the last `exec`): its fork generation, which is greater in a
+/// child than in any ancestor. A pid would not do: an ancestor's may be given again to a
+/// descendant.
+fn stamp() -> u64 {
+    crate::util::fork::generation() + 1
+}
 
 /// This thread's turn to found or join this process's group.
-struct Founding(i32);
+struct Founding(u64);
 
 impl Founding {
     fn enter() -> Founding {
-        let me = crate::util::fork::pid();
+        let me = stamp();
         loop {
             match FOUNDING.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Founding(me),
-                // Left by a thread of a process this one was forked from.
+                // Left by a thread of an ancestor this one was forked from.
                 Err(other) if other != me => {
                     if FOUNDING.compare_exchange(other, me, Ordering::Acquire, Ordering::Relaxed).is_ok() {
                         return Founding(me);

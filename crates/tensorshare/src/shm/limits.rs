@@ -2,7 +2,6 @@
 
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 /// Environment variable naming the directory of named (file_system) segments; default
 /// `/dev/shm`. Workers inherit it.
@@ -10,8 +9,8 @@ pub const SHM_DIR_ENV: &str = "TENSORSHARE_SHM_DIR";
 
 /// The directory of named segments.
 pub fn shm_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
+    static DIR: crate::util::fork::Lazy<PathBuf> = crate::util::fork::Lazy::new();
+    DIR.get_or_make(|| {
         std::env::var_os(SHM_DIR_ENV).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/dev/shm"))
     })
 }

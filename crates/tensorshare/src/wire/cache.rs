@@ -166,9 +166,7 @@ impl Cache {
 
 /// The process's cache.
 pub(crate) fn cache() -> MutexGuard<'static, Cache> {
-    static CACHE: std::sync::OnceLock<Mutex<Cache>> = std::sync::OnceLock::new();
-    crate::util::lock(CACHE.get_or_init(|| {
-        crate::util::fork::guard(crate::util::fork::Rank::Wire, |out| out.push(Box::new(cache())));
+    crate::util::lock(CACHE.get_or_make(|| {
         Mutex::new(Cache {
             arenas: WeakMap::new(),
             storages: WeakMap::new(),
@@ -178,6 +176,14 @@ pub(crate) fn cache() -> MutexGuard<'static, Cache> {
         })
     }))
 }
+
+static CACHE: crate::util::fork::Lazy<Mutex<Cache>> = crate::util::fork::Lazy::new();
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Wire, |out| {
+    if let Some(c) = CACHE.get() {
+        out.push(Box::new(crate::util::lock(c)))
+    }
+});
 
 /// Unmaps arenas that are kept mapped only for speed, so that their memory can be returned.
 pub(crate) fn release_cached_mappings() {

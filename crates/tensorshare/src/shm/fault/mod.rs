@@ -182,8 +182,8 @@ pub const SIGBUS_HANDLER_ENV: &str = "TENSORSHARE_SIGBUS_HANDLER";
 
 /// Whether the handler may be installed on its own (see [`SIGBUS_HANDLER_ENV`]).
 fn wanted() -> bool {
-    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WANTED.get_or_init(|| std::env::var(SIGBUS_HANDLER_ENV).map_or(true, |v| v.trim() != "0"))
+    static WANTED: crate::util::fork::Lazy<bool> = crate::util::fork::Lazy::new();
+    *WANTED.get_or_make(|| std::env::var(SIGBUS_HANDLER_ENV).map_or(true, |v| v.trim() != "0"))
 }
 
 /// Puts the handler in place, unless it already is.
