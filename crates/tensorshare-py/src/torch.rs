@@ -106,7 +106,10 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     if !py.import("sys")?.getattr("modules")?.contains("torch")? {
         return Ok(None);
     }
-    API.get_or_try_init(py, || {
+    // Made outside the cell, which is then only set: making it runs Python code (an import,
+    // attribute lookups), during which another Python thread may take the GIL and fork; a
+    // child forked while the cell was being filled would wait for it for good.
+    let made = (|| {
         let torch = py.import("torch")?;
         let c = torch.getattr("_C")?;
         let storage_base = c_type(c.getattr("StorageBase")?, "torch._C.StorageBase")?;
@@ -132,8 +135,10 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             dtypes,
         })
-    })
-    .map(Some)
+    })()?;
+    // Another thread may have set it meanwhile: its value is as good as ours.
+    let _ = API.set(py, made);
+    Ok(API.get(py))
 }
 
 /// Weak references by address: the live blocks of this process, and the torch storage made

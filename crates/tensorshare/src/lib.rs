@@ -195,6 +195,33 @@ pub mod raw {
             .collect()
     }
 
+    /// Runs `f` while this process's record of `storage`'s arena is locked, as it is while a
+    /// thread takes or gives back a handle of one of its slots; `None` for a storage in no
+    /// arena. For the tests of what a child forked meanwhile can do.
+    pub fn with_arena_record_locked<R>(storage: &crate::Storage, f: impl FnOnce() -> R) -> Option<R> {
+        match storage.shared()? {
+            crate::storage::Shared::Slot(slot) => Some(slot.arena().with_state_locked(f)),
+            _ => None,
+        }
+    }
+
+    /// Runs `f` with this process's record of its fork server locked, as it is while a server
+    /// starts or a request waits for its answer. For the tests of what a child forked
+    /// meanwhile can do.
+    pub fn with_fork_server_record_locked<R>(f: impl FnOnce() -> R) -> R {
+        crate::process::with_fork_server_record_locked(f)
+    }
+
+    /// Whether two storages are slots of one arena.
+    pub fn same_arena(a: &crate::Storage, b: &crate::Storage) -> bool {
+        match (a.shared(), b.shared()) {
+            (Some(crate::storage::Shared::Slot(a)), Some(crate::storage::Shared::Slot(b))) => {
+                std::sync::Arc::ptr_eq(a.arena(), b.arena())
+            }
+            _ => false,
+        }
+    }
+
     /// A message back into a value, as a receiver would.
     pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> crate::Result<T> {
         crate::wire::decode(bytes, fds, false)

@@ -138,3 +138,54 @@ fn a_child_forked_while_the_cleanup_group_is_founded_can_use_it() {
         children.len()
     );
 }
+
+/// A child forked while another thread of its parent held the record of a shared tensor's
+/// arena (taking or giving back a handle) can still use and drop a tensor in that arena:
+/// what it inherited is the parent's, and it counts nothing there.
+#[test]
+fn a_child_drops_an_inherited_tensor_whose_arena_was_busy_at_the_fork() {
+    // Two tensors in one arena: the other thread keeps a handle of the first, so the child
+    // drops the last handle it has of the second.
+    let (busy, dropped) = loop {
+        let mut a = Tensor::zeros(&[256], DType::F32);
+        let mut b = Tensor::zeros(&[256], DType::F32);
+        a.share_memory().unwrap();
+        b.share_memory().unwrap();
+        if tensorshare::raw::same_arena(a.storage(), b.storage()) {
+            break (a.storage().clone(), b);
+        }
+    };
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (forked, was_forked) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        tensorshare::raw::with_arena_record_locked(&busy, || {
+            locked.send(()).unwrap();
+            was_forked.recv().unwrap();
+        })
+        .is_some()
+    });
+    is_locked.recv().unwrap();
+    // SAFETY: as in the tests above; the child reads and drops the tensor it inherited and
+    // leaves by _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            let used = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                let views: Vec<Tensor> = (0..4).map(|_| dropped.clone()).collect();
+                let sum: f32 = views.iter().map(|v| v.to_vec::<f32>().unwrap().iter().sum::<f32>()).sum();
+                drop(views);
+                drop(dropped);
+                sum == 0.0
+            }));
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if matches!(used, Ok(true)) { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    forked.send(()).unwrap();
+    assert!(holder.join().unwrap(), "the tensor is in no arena");
+    assert!(
+        ended_by(pid, Instant::now() + PATIENCE),
+        "the child hung or failed dropping an inherited tensor"
+    );
+}

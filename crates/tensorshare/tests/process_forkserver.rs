@@ -271,6 +271,47 @@ fn forkserver_worker_from_a_fork_worker(_rank: usize, _: ()) {
     assert_eq!(last.join(None), Ok(true));
 }
 
+fn forkserver_worker_forked_while_the_record_is_busy(_rank: usize, _: ()) {
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (forked, was_forked) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        tensorshare::raw::with_fork_server_record_locked(|| {
+            locked.send(()).unwrap();
+            was_forked.recv().unwrap();
+        })
+    });
+    is_locked.recv().unwrap();
+    // SAFETY: the harness's main thread holds no lock (see `common::allow_fork_in_helper`),
+    // and the holder thread holds only the fork server's record, which the Fork worker
+    // below must do without: that is what this test is about.
+    unsafe { tensorshare::allow_fork_with_threads() };
+    let mut worker = start_processes(
+        |_rank, _: ()| {
+            let mut ctx = start_processes(|_rank, _: ()| {}, (), 1, FS).unwrap();
+            assert_eq!(ctx.join(Some(PATIENCE)), Ok(true));
+        },
+        (),
+        1,
+        StartMethod::Fork,
+    )
+    .unwrap();
+    forked.send(()).unwrap();
+    holder.join().unwrap();
+    assert_eq!(
+        worker.join(Some(PATIENCE)),
+        Ok(true),
+        "a child forked while its parent's fork-server record was locked could not start a worker"
+    );
+}
+
+/// A child forked while a thread of its parent held the record of the parent's fork server
+/// (starting it, or waiting for an answer) starts a server of its own, not waiting for a
+/// lock that no thread of it will release.
+#[test]
+fn a_child_forked_while_the_server_record_is_busy_starts_its_own() {
+    common::isolated_with(forkserver_worker_forked_while_the_record_is_busy, ());
+}
+
 /// A Fork worker starts a fork server of its own: its parent's is not its child.
 #[test]
 fn a_fork_worker_starts_its_own_fork_server() {

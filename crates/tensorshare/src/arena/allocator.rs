@@ -4,8 +4,8 @@
 use std::sync::{Arc, Mutex};
 
 use super::{Arena, Slot, MAX_SLOTS, PAGE};
-use crate::util::fork::Lazy;
 use crate::util::lock;
+use crate::util::Lazy;
 use crate::{Error, Result, SharingStrategy};
 
 /// Smallest slot: 64 bytes, so every storage is 64-byte aligned.
@@ -67,8 +67,8 @@ static FS: Lazy<Mutex<Allocator>> = Lazy::new();
 
 // Neither allocator is locked while the other is held.
 crate::util::fork::guard_at_load!(crate::util::fork::Rank::Allocator, |out| {
-    for alloc in [FD.get(), FS.get()].into_iter().flatten() {
-        out.push(Box::new(lock(alloc)))
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        out.push(Box::new(lock(allocator(strategy))))
     }
 });
 
@@ -202,6 +202,8 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
 /// allocation applies them.
 pub(super) fn large_freed(strategy: SharingStrategy) {
     if let Ok(mut alloc) = allocator(strategy).try_lock() {
+        // Inherited arenas' states may be locked for good in a forked child.
+        alloc.drop_inherited();
         retire_large(&mut alloc, None);
     }
 }

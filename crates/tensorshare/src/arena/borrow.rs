@@ -93,13 +93,10 @@ pub(crate) fn idle() {
     }
 }
 
-static DEFERRED: crate::util::fork::Lazy<Mutex<Deferred>> = crate::util::fork::Lazy::new();
+static DEFERRED: crate::util::Lazy<Mutex<Deferred>> = crate::util::Lazy::new();
 
-crate::util::fork::guard_at_load!(crate::util::fork::Rank::Deferred, |out| {
-    if let Some(d) = DEFERRED.get() {
-        out.push(Box::new(lock(d)))
-    }
-});
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Deferred, |out| out
+    .push(Box::new(lock(deferred()))));
 
 fn deferred() -> &'static Mutex<Deferred> {
     DEFERRED.get_or_make(Mutex::default)

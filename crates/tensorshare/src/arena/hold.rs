@@ -17,12 +17,18 @@ impl Arena {
     /// all), a first handle borrows that hold instead of locking (see `borrow`). Returns
     /// whether it did.
     pub(crate) fn hold(&self, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<bool> {
-        let mut st = self.state();
         if let Some(&bad) = slots.iter().find(|&&s| s >= self.nslots) {
             return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
         }
+        if !self.is_own() {
+            // Inherited through fork: its locks are the parent's, its counts are never read
+            // here (see `release`), and its state may have been locked at the fork by a
+            // thread of the parent that this process lacks.
+            return Ok(false);
+        }
+        let mut st = self.state();
         let mut borrowed = false;
-        if !self.creator && self.is_own() {
+        if !self.creator {
             // Slots without a handle here yet, each once (a message may name one twice).
             let mut first: Vec<u32> = slots.iter().copied().filter(|&s| st.local[s as usize] == 0).collect();
             first.sort_unstable();
@@ -64,10 +70,14 @@ impl Arena {
     /// One handle of `slot` less; the last one gives the process's lock back (in a run with
     /// others: see `PENDING_SLOTS`).
     fn release(&self, slot: u32) {
+        if !self.is_own() {
+            // Inherited through fork: as in `hold`, nothing here to count or give back.
+            return;
+        }
         let mut st = self.state();
         let i = slot as usize;
         st.local[i] = st.local[i].saturating_sub(1);
-        if st.local[i] == 0 && self.creator && self.is_large() && self.is_own() {
+        if st.local[i] == 0 && self.creator && self.is_large() {
             // A large storage of ours is freed: keep its arena for reuse only within bounds.
             st.idle_since = Some(std::time::Instant::now());
             drop(st);
@@ -79,7 +89,7 @@ impl Arena {
             super::allocator::large_freed(strategy);
             return;
         }
-        if st.local[i] == 0 && !self.creator && self.is_own() {
+        if st.local[i] == 0 && !self.creator {
             if let Some(fd) = st.borrowed.get_mut(i).and_then(Option::take) {
                 // Held through a message's description, not a lock of ours: letting it go is
                 // all there is to give back.

@@ -272,6 +272,13 @@ impl Arena {
         lock(&self.state)
     }
 
+    /// Runs `f` with this arena's state locked (`raw::with_arena_record_locked`).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn with_state_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _st = self.state();
+        f()
+    }
+
     /// Address of a slot's first byte.
     ///
     /// # Panics

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::outbox::Outbox;
-use crate::util::fork::Lazy;
 use crate::util::lock;
+use crate::util::Lazy;
 
 /// The process that called `adopt_forked`, if any (0: none).
 static ADOPTED_BY: AtomicI32 = AtomicI32::new(0);
@@ -35,11 +35,7 @@ type Forked = Mutex<HashMap<usize, Arc<Outbox>>>;
 
 static FORKED: Lazy<Forked> = Lazy::new();
 
-crate::util::fork::guard_at_load!(crate::util::fork::Rank::Forked, |out| {
-    if let Some(f) = FORKED.get() {
-        out.push(Box::new(lock(f)))
-    }
-});
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Forked, |out| out.push(Box::new(lock(forked()))));
 
 fn forked() -> &'static Forked {
     FORKED.get_or_make(Mutex::default)

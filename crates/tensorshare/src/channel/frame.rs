@@ -44,7 +44,7 @@ pub(crate) fn is_nudge(record: &Record) -> bool {
 pub use crate::shm::sealed::MAX_MESSAGE_ENV;
 
 fn max_message_bytes() -> u64 {
-    static MAX: crate::util::fork::Lazy<u64> = crate::util::fork::Lazy::new();
+    static MAX: crate::util::Lazy<u64> = crate::util::Lazy::new();
     *MAX.get_or_make(|| std::env::var(MAX_MESSAGE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30))
 }
 

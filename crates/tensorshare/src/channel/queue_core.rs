@@ -41,13 +41,10 @@ impl Drop for Core {
 
 type Registry = Mutex<HashMap<(u64, u64), Weak<Core>>>;
 
-static REGISTRY: crate::util::fork::Lazy<Registry> = crate::util::fork::Lazy::new();
+static REGISTRY: crate::util::Lazy<Registry> = crate::util::Lazy::new();
 
-crate::util::fork::guard_at_load!(crate::util::fork::Rank::Channel, |out| {
-    if let Some(r) = REGISTRY.get() {
-        out.push(Box::new(lock(r)))
-    }
-});
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Channel, |out| out
+    .push(Box::new(lock(registry()))));
 
 fn registry() -> &'static Registry {
     REGISTRY.get_or_make(Mutex::default)

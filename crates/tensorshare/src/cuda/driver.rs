@@ -2,7 +2,7 @@
 //! process (`TENSORSHARE_CUDA_DRIVER`), and the fork rule that goes with it.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::real::Real;
@@ -67,6 +67,23 @@ pub(crate) fn initialised() -> bool {
 /// The device layer, initialised on first use.
 pub(crate) fn backend() -> Result<&'static Backend> {
     static BACKEND: OnceLock<std::result::Result<Backend, String>> = OnceLock::new();
+    // The stamp (`fork::stamp`) of the process in which a thread began to initialise the
+    // layer. Loading the driver has effects (a library loaded, `cuInit`), so two threads do
+    // not race to do it as a `Lazy` would: one waits for the other. A child forked meanwhile
+    // has no thread to wait for, and says so instead.
+    static INITIALISING: AtomicU64 = AtomicU64::new(0);
+    if BACKEND.get().is_none() {
+        let me = crate::util::fork::stamp();
+        let began = INITIALISING.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire);
+        if began.is_err_and(|by| by != me) {
+            return Err(Error::Device(
+                "Cannot initialize CUDA in forked subprocess: another thread of the parent was \
+                 initialising it when this process was forked; start workers with \
+                 StartMethod::Spawn or ForkServer"
+                    .into(),
+            ));
+        }
+    }
     let b = BACKEND.get_or_init(|| {
         let b = choose().map_err(|e| e.to_string());
         if b.is_ok() {

@@ -77,14 +77,12 @@ fn live() -> &'static Mutex<HashSet<usize>> {
     LIVE.get_or_make(Default::default)
 }
 
-static LIVE: crate::util::fork::Lazy<Mutex<HashSet<usize>>> = crate::util::fork::Lazy::new();
+static LIVE: crate::util::Lazy<Mutex<HashSet<usize>>> = crate::util::Lazy::new();
 
 // A fork while another thread exports or imports would otherwise leave the set locked in
 // the child for good.
 crate::util::fork::guard_at_load!(crate::util::fork::Rank::Interop, |out| {
-    if let Some(live) = LIVE.get() {
-        out.push(Box::new(crate::util::lock(live)))
-    }
+    out.push(Box::new(crate::util::lock(live())))
 });
 
 impl Drop for Export {

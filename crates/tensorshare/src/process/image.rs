@@ -39,7 +39,7 @@ pub(crate) struct ExeId {
 impl ExeId {
     /// This process's executable (computed once).
     pub(crate) fn current() -> Result<&'static ExeId, String> {
-        static ID: crate::util::fork::Lazy<Result<ExeId, String>> = crate::util::fork::Lazy::new();
+        static ID: crate::util::Lazy<Result<ExeId, String>> = crate::util::Lazy::new();
         ID.get_or_make(|| {
             let st =
                 rustix::fs::stat("/proc/self/exe").map_err(|e| format!("cannot stat /proc/self/exe: {e}"))?;

@@ -8,6 +8,8 @@ mod cleaner;
 mod context;
 mod fork;
 mod forkserver;
+#[cfg(feature = "test-support")]
+pub(crate) use forkserver::with_record_locked as with_fork_server_record_locked;
 mod handshake;
 mod image;
 mod job;

@@ -62,26 +62,18 @@ fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
 }
 
 /// The process in which a thread is founding or joining a group now (0: none), as its
-/// `stamp`. Not a mutex: founding starts the cleaner, a fork, which must not happen under a
+/// `fork::stamp`. Not a mutex: founding starts the cleaner, a fork, which must not happen under a
 /// lock that every fork takes, and a child forked meanwhile must not wait for a thread it
 /// lacks. It finds an ancestor's stamp here, never its own, and founds or joins a group
 /// itself.
 static FOUNDING: AtomicU64 = AtomicU64::new(0);
-
-/// This process among those whose stamps `FOUNDING` can hold (its own, and its ancestors'
-/// inherited by fork since the last `exec`): its fork generation, which is greater in a
-/// child than in any ancestor. A pid would not do: an ancestor's may be given again to a
-/// descendant.
-fn stamp() -> u64 {
-    crate::util::fork::generation() + 1
-}
 
 /// This thread's turn to found or join this process's group.
 struct Founding(u64);
 
 impl Founding {
     fn enter() -> Founding {
-        let me = stamp();
+        let me = crate::util::fork::stamp();
         loop {
             match FOUNDING.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Founding(me),

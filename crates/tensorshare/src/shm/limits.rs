@@ -9,7 +9,7 @@ pub const SHM_DIR_ENV: &str = "TENSORSHARE_SHM_DIR";
 
 /// The directory of named segments.
 pub fn shm_dir() -> &'static Path {
-    static DIR: crate::util::fork::Lazy<PathBuf> = crate::util::fork::Lazy::new();
+    static DIR: crate::util::Lazy<PathBuf> = crate::util::Lazy::new();
     DIR.get_or_make(|| {
         std::env::var_os(SHM_DIR_ENV).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/dev/shm"))
     })

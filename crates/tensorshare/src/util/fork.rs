@@ -4,21 +4,23 @@
 //! forking thread, so it must never find a lock held, or a static half made, by a thread
 //! that does not exist there. Two rules keep it so:
 //!
-//! - Every static mutex is taken around every fork: each layer registers, as the library
-//!   loads ([`guard_at_load!`]), a function that takes its mutexes; a `pthread_atfork`
-//!   handler runs them all on the forking thread before the fork and drops the guards
-//!   after it. Registered at load, while the process has one thread (or, for a Python
-//!   extension, while its loading thread makes the only use of it), never on first use,
-//!   so no fork can come between a static's first use and its guard.
-//! - A static made on first use is a [`Lazy`], which no thread ever waits for: a
-//!   `OnceLock` makes other threads wait for the one making its value, and in a child
-//!   forked meanwhile that thread does not exist, so they would wait for good.
+//! - Every static mutex that is never held across a wait is taken around every fork: each
+//!   layer registers, as the library loads ([`guard_at_load!`]), a function that takes its
+//!   mutexes, making any that are not made yet; a `pthread_atfork` handler runs them all
+//!   on the forking thread before the fork and drops the guards after it. Registered at
+//!   load, while the process has one thread (or, for a Python extension, while its
+//!   loading thread makes the only use of it), never on first use, so no fork can come
+//!   between a static's first use and its guard. (The fork server's mutex is held while a
+//!   server starts, and the CUDA layer's while the driver works: a fork does not wait for
+//!   those, and a child forked meanwhile cannot use them.)
+//! - A static made on first use is a [`Lazy`](super::Lazy), which no thread ever waits
+//!   for: a `OnceLock` makes other threads wait for the one making its value, and in a
+//!   child forked meanwhile that thread does not exist, so they would wait for good.
 //!
 //! Nothing here reaches into another layer: the layers come to it.
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::marker::PhantomData;
-use std::sync::atomic::{AtomicPtr, AtomicUsize};
+use std::sync::atomic::AtomicUsize;
 use std::sync::OnceLock;
 
 /// Takes one layer's locks: pushes their guards.
@@ -40,7 +42,7 @@ pub(crate) enum Rank {
     Allocator,
     /// The cleanup group's record (an allocator reads it).
     Group,
-    /// The arena layer's deferred work (taken with nothing else held).
+    /// The arena layer's deferred work (nothing of this list is taken under it).
     Deferred,
     /// The DLPack layer's set of live exports (taken with nothing else held, and nothing
     /// taken under it).
@@ -63,7 +65,7 @@ impl Rank {
     ];
 }
 
-/// Most guards: one per static mutex of the library (eight today).
+/// Most guards: one per layer (seven today).
 const MAX_GUARDS: usize = 32;
 /// The registered guards. `REGISTERED` counts the entries claimed; an entry is set right
 /// after its claim.
@@ -90,8 +92,9 @@ pub(crate) fn registered() -> Vec<Rank> {
 }
 
 /// Registers a guard of `$rank` as the library loads: a constructor in `.init_array` that
-/// calls [`guard`]. `$guard` takes the layer's mutexes; a mutex in a [`Lazy`] is taken only
-/// if it has been made (`Lazy::get`).
+/// calls [`guard`]. `$guard` takes the layer's mutexes; one in a [`Lazy`](super::Lazy) is
+/// made if it is not there yet (`Lazy::get_or_make`): a guard that passed over it could see
+/// it unmade while another thread makes and locks it before the fork.
 macro_rules! guard_at_load {
     ($rank:expr, $guard:expr) => {
         const _: () = {
@@ -105,72 +108,6 @@ macro_rules! guard_at_load {
     };
 }
 pub(crate) use guard_at_load;
-
-/// A static made on first use that no thread ever waits for (see the module docs). Each
-/// caller that finds no value makes one, and the first to publish its value wins; the
-/// others drop theirs. So making a value must have no effect beyond the value (an
-/// allocation, a read of the environment), and a mutex in one is taken around forks only
-/// once it is there.
-pub(crate) struct Lazy<T> {
-    /// Null, or a `Box::into_raw` of the published value, freed only by `Drop`.
-    value: AtomicPtr<T>,
-    /// Owns a `T`; `Send` and `Sync` are set below, as `OnceLock`'s are.
-    _owns: PhantomData<(Box<T>, *const ())>,
-}
-
-// SAFETY: a `Lazy<T>` owns at most one boxed `T` and gives out only `&T`: sending it sends
-// the `T`.
-unsafe impl<T: Send> Send for Lazy<T> {}
-// SAFETY: through `&Lazy<T>` a thread reads the `T` (`&T`, hence `T: Sync`) and may make
-// and publish one that the `Lazy`'s owner later drops on its own thread (hence `T: Send`).
-unsafe impl<T: Send + Sync> Sync for Lazy<T> {}
-
-impl<T> Lazy<T> {
-    pub(crate) const fn new() -> Lazy<T> {
-        Lazy { value: AtomicPtr::new(std::ptr::null_mut()), _owns: PhantomData }
-    }
-
-    /// The value, if one has been published.
-    pub(crate) fn get(&self) -> Option<&T> {
-        let p = self.value.load(Ordering::Acquire);
-        // SAFETY: a non-null pointer here was published (with release ordering, matched by
-        // the acquire above) from `Box::into_raw` of a fully made value, and is freed only
-        // by `Drop`, which needs `&mut self`: it lives as long as this borrow of `self`.
-        unsafe { p.as_ref() }
-    }
-
-    /// The value, made by `make` if none has been published. `make` may run in several
-    /// threads at once; the value of the first to finish is kept.
-    pub(crate) fn get_or_make(&self, make: impl FnOnce() -> T) -> &T {
-        if let Some(v) = self.get() {
-            return v;
-        }
-        let made = Box::into_raw(Box::new(make()));
-        match self.value.compare_exchange(std::ptr::null_mut(), made, Ordering::AcqRel, Ordering::Acquire) {
-            // SAFETY: `made` is published now, and freed only by `Drop`, as in `get`.
-            Ok(_) => unsafe { &*made },
-            Err(first) => {
-                // SAFETY: `made` came from `Box::into_raw` above and was never published:
-                // this is its only owner.
-                drop(unsafe { Box::from_raw(made) });
-                // SAFETY: the exchange failed on a non-null pointer (the only value ever
-                // stored besides null), published as in `get`.
-                unsafe { &*first }
-            }
-        }
-    }
-}
-
-impl<T> Drop for Lazy<T> {
-    fn drop(&mut self) {
-        let p = *self.value.get_mut();
-        if !p.is_null() {
-            // SAFETY: published from `Box::into_raw` and not freed before: `&mut self`
-            // means no borrow of the value is left.
-            drop(unsafe { Box::from_raw(p) });
-        }
-    }
-}
 
 /// Installs the handlers as the library is loaded, while its process (or, for a Python
 /// extension, its loading thread) makes no other use of it: installing them later, on
@@ -273,6 +210,16 @@ pub(crate) fn generation() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }
 
+/// This process among those whose marks a static can hold (its own, and its ancestors'
+/// inherited by fork since the last `exec`): never 0, and greater in a child than in any
+/// ancestor, as its generation is. A pid would not do: an ancestor's may be given again to
+/// a descendant. Only an atomic load: a signal handler may call it. (A child made without
+/// the fork handlers, by a raw `clone` that skips `in_child`, keeps its parent's stamp, as
+/// it keeps its generation.)
+pub(crate) fn stamp() -> u64 {
+    GENERATION.load(Ordering::Relaxed) + 1
+}
+
 /// This process's pid without a syscall each time (glibc no longer caches it).
 pub(crate) fn pid() -> i32 {
     let p = PID.load(Ordering::Relaxed);
@@ -285,8 +232,8 @@ pub(crate) fn pid() -> i32 {
     p
 }
 
-/// Every registered guard's locks, taken in `Rank` order. A guard registered meanwhile
-/// (a static made by another thread) is taken too: the whole set again, in order.
+/// Every registered guard's locks, taken in `Rank` order. A guard registered meanwhile (by
+/// a library loaded in another thread) is taken too: the whole set again, in order.
 pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
     loop {
         let n = REGISTERED.load(Ordering::Acquire).min(MAX_GUARDS);
@@ -310,81 +257,5 @@ pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
         }
         // Dropped last first before trying again.
         while out.pop().is_some() {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    use rustix::process::{pidfd_open, waitpid, Pid, PidfdFlags, WaitOptions};
-
-    use super::Lazy;
-
-    #[test]
-    fn threads_that_race_to_make_a_value_all_get_the_one_kept() {
-        let lazy: Lazy<Vec<usize>> = Lazy::new();
-        let barrier = std::sync::Barrier::new(8);
-        let got: Vec<usize> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..8)
-                .map(|i| {
-                    let (lazy, barrier) = (&lazy, &barrier);
-                    s.spawn(move || {
-                        barrier.wait();
-                        lazy.get_or_make(|| vec![i]) as *const Vec<usize> as usize
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert!(got.iter().all(|&p| p == got[0]), "threads got different values: {got:?}");
-        assert_eq!(lazy.get().map(|v| v.len()), Some(1));
-    }
-
-    /// A `OnceLock` fails this: the child waits for good for the thread making the value,
-    /// which it does not have.
-    #[test]
-    fn a_child_forked_while_a_value_is_made_makes_its_own() {
-        static VALUE: Lazy<u64> = Lazy::new();
-        let (inside, is_inside) = mpsc::channel();
-        let (forked, was_forked) = mpsc::channel::<()>();
-        let maker = std::thread::spawn(move || {
-            *VALUE.get_or_make(|| {
-                inside.send(()).unwrap();
-                was_forked.recv().unwrap();
-                1
-            })
-        });
-        is_inside.recv().unwrap();
-        // SAFETY: fork has no memory-safety preconditions. The child reads the static and
-        // leaves by _exit: it touches nothing another thread held (libc's fork looks after
-        // malloc).
-        let pid = match unsafe { libc::fork() } {
-            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
-            0 => {
-                let made = *VALUE.get_or_make(|| 2);
-                // SAFETY: _exit ends the child at once.
-                unsafe { libc::_exit(if made == 2 { 0 } else { 1 }) }
-            }
-            pid => Pid::from_raw(pid).unwrap(),
-        };
-        forked.send(()).unwrap();
-        assert_eq!(maker.join().unwrap(), 1);
-        assert_eq!(VALUE.get(), Some(&1));
-        // The child has 20 s, then is killed; reaped either way.
-        let fd = pidfd_open(pid, PidfdFlags::empty()).unwrap();
-        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-        let limit = Duration::from_secs(20);
-        let ended =
-            poll(&mut fds, Some(&Timespec { tv_sec: limit.as_secs() as i64, tv_nsec: 0 })).unwrap() == 1;
-        if !ended {
-            // SAFETY: kill has no memory-safety preconditions; pid is our unreaped child.
-            unsafe { libc::kill(pid.as_raw_nonzero().get(), libc::SIGKILL) };
-        }
-        let (_, status) = waitpid(Some(pid), WaitOptions::empty()).unwrap().unwrap();
-        assert!(ended, "the child waited for the value its parent's thread was making");
-        assert_eq!(status.exit_status(), Some(0), "the child did not get a value of its own");
     }
 }

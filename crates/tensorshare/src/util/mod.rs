@@ -66,3 +66,6 @@ impl std::hash::Hasher for FastHasher {
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
 
 pub(crate) mod fork;
+mod lazy;
+
+pub(crate) use lazy::Lazy;

@@ -177,13 +177,9 @@ pub(crate) fn cache() -> MutexGuard<'static, Cache> {
     }))
 }
 
-static CACHE: crate::util::fork::Lazy<Mutex<Cache>> = crate::util::fork::Lazy::new();
+static CACHE: crate::util::Lazy<Mutex<Cache>> = crate::util::Lazy::new();
 
-crate::util::fork::guard_at_load!(crate::util::fork::Rank::Wire, |out| {
-    if let Some(c) = CACHE.get() {
-        out.push(Box::new(crate::util::lock(c)))
-    }
-});
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Wire, |out| out.push(Box::new(cache())));
 
 /// Unmaps arenas that are kept mapped only for speed, so that their memory can be returned.
 pub(crate) fn release_cached_mappings() {

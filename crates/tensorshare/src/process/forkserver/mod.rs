@@ -42,6 +42,7 @@
 //! whatever reason it dies.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -74,7 +75,57 @@ struct Server {
     next: u64,
 }
 
-static SERVER: Mutex<Option<Server>> = Mutex::new(None);
+/// A process's record of its server. Its lock is held while a server starts and while a
+/// request waits for its answer, so a fork does not wait for it (the fork guards take only
+/// locks never held across a wait): a child forked meanwhile inherits it locked by a thread
+/// it lacks, and makes a record of its own instead (see `record`).
+struct Slot {
+    /// The `fork::stamp` of the process that made it.
+    stamp: u64,
+    server: Mutex<Option<Server>>,
+}
+
+static SLOT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
+
+/// This process's record of its server, made on first use, and again in a forked child.
+fn record() -> &'static Mutex<Option<Server>> {
+    let me = crate::util::fork::stamp();
+    loop {
+        let cur = SLOT.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer here came from `Box::into_raw` below, published by the
+        // exchange, and is never freed: records are leaked, not dropped.
+        if let Some(slot) = unsafe { cur.as_ref() } {
+            if slot.stamp == me {
+                return &slot.server;
+            }
+        }
+        let new = Box::into_raw(Box::new(Slot { stamp: me, server: Mutex::new(None) }));
+        match SLOT.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                // SAFETY: as above, for the record just replaced (an ancestor's).
+                if let Some(old) = unsafe { cur.as_ref() } {
+                    // Its copy of the ancestor's socket closed, unless a thread of the
+                    // ancestor held it at the fork; the record itself is left as it is.
+                    if let Ok(mut inherited) = old.server.try_lock() {
+                        inherited.take();
+                    }
+                }
+                // SAFETY: published just now; never freed, as above.
+                return unsafe { &(*new).server };
+            }
+            // SAFETY: `new` was never published: this is its only owner.
+            Err(_) => drop(unsafe { Box::from_raw(new) }),
+        }
+    }
+}
+
+/// Runs `f` with this process's record of its server locked, as a request waiting for its
+/// answer holds it (`raw::with_fork_server_record_locked`).
+#[cfg(feature = "test-support")]
+pub(crate) fn with_record_locked<R>(f: impl FnOnce() -> R) -> R {
+    let _record = crate::util::lock(record());
+    f()
+}
 
 /// A worker the fork server forked for this process.
 pub(crate) struct Forked {
@@ -117,7 +168,7 @@ type Status = (i32, std::result::Result<Ending, String>);
 
 /// Asks the fork server (started on first use) for a worker reading its job from `job`.
 pub(crate) fn start_worker(job: OwnedFd) -> Result<Forked> {
-    let mut server = crate::util::lock(&SERVER);
+    let mut server = crate::util::lock(record());
     let me = rustix::process::getpid();
     if server.as_ref().is_some_and(|s| s.owner != me) {
         // A forked child's copy of its parent's server: not its child, and its workers would
@@ -235,7 +286,7 @@ fn reap_dead_server(pid: Pid) {
     const SERVER_EXIT: Duration = Duration::from_secs(5);
     let me = rustix::process::getpid();
     let pidfd = {
-        let server = crate::util::lock(&SERVER);
+        let server = crate::util::lock(record());
         match server.as_ref() {
             Some(s) if s.owner == me && s.pid == pid => s.pidfd.as_ref().and_then(|f| f.try_clone().ok()),
             _ => return,
@@ -245,9 +296,9 @@ fn reap_dead_server(pid: Pid) {
     if !matches!(socket::wait(pidfd.as_fd(), PollFlags::IN, SERVER_EXIT), Ok(true)) {
         return; // alive after all: the next request that finds it gone reaps it
     }
-    let mut server = crate::util::lock(&SERVER);
+    let mut server = crate::util::lock(record());
     // Still the same server, if its pid is: the pid of an unreaped child is never reused,
-    // and it is reaped only where it is also taken out of `SERVER`.
+    // and it is reaped only where it is also taken out of the record.
     if server.as_ref().is_some_and(|s| s.owner == me && s.pid == pid) {
         server.take();
         let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG);

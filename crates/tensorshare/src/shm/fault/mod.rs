@@ -182,7 +182,7 @@ pub const SIGBUS_HANDLER_ENV: &str = "TENSORSHARE_SIGBUS_HANDLER";
 
 /// Whether the handler may be installed on its own (see [`SIGBUS_HANDLER_ENV`]).
 fn wanted() -> bool {
-    static WANTED: crate::util::fork::Lazy<bool> = crate::util::fork::Lazy::new();
+    static WANTED: crate::util::Lazy<bool> = crate::util::Lazy::new();
     *WANTED.get_or_make(|| std::env::var(SIGBUS_HANDLER_ENV).map_or(true, |v| v.trim() != "0"))
 }
 

@@ -4,7 +4,9 @@
 use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    fence, AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+};
 
 use rustix::mm::{MapFlags, ProtFlags};
 
@@ -26,10 +28,10 @@ struct Entry {
     /// Offset from which the mapping is already private zeros (`len` while it is all file).
     /// Only lowered, by one handler at a time (`recovering`), so no page is replaced twice.
     zeros_from: AtomicUsize,
-    /// The process whose handler is replacing part of this mapping, 0 when none. A pid not
-    /// this process's was left by a handler in the parent this process forked from, on a
-    /// thread that does not exist here: it holds nothing.
-    recovering: AtomicI32,
+    /// The process whose handler is replacing part of this mapping (its `fork::stamp`), 0
+    /// when none. A stamp not this process's was left by a handler in an ancestor this
+    /// process was forked from, on a thread that does not exist here: it holds nothing.
+    recovering: AtomicU64,
     next: AtomicPtr<Entry>,
 }
 
@@ -64,7 +66,7 @@ impl Drop for Guard {
         // A handler may be finishing a replacement in this range on another thread only if
         // that thread was touching the segment, which it cannot do once the segment is
         // dropped; wait all the same, so that the entry never changes under a handler.
-        while self.entry.recovering.load(Ordering::Acquire) == pid() {
+        while self.entry.recovering.load(Ordering::Acquire) == crate::util::fork::stamp() {
             rustix::thread::sched_yield();
         }
         write(self.entry, 0, 0, -1);
@@ -91,7 +93,7 @@ fn claim() -> &'static Entry {
         len: AtomicUsize::new(0),
         fd: AtomicI32::new(-1),
         zeros_from: AtomicUsize::new(0),
-        recovering: AtomicI32::new(0),
+        recovering: AtomicU64::new(0),
         next: AtomicPtr::new(ptr::null_mut()),
     }));
     let mut head = HEAD.load(Ordering::Acquire);
@@ -156,11 +158,11 @@ fn find(addr: usize) -> Option<(&'static Entry, usize, usize, RawFd)> {
 pub(super) fn recover(addr: usize) -> bool {
     let Some((e, start, len, fd)) = find(addr) else { return false };
     let page = PAGE.load(Ordering::Relaxed);
-    let me = pid();
+    let me = crate::util::fork::stamp();
     loop {
         let holder = e.recovering.load(Ordering::Relaxed);
-        // 0, or a pid left by a forked-from parent: free. This process's pid: another of its
-        // threads is replacing pages of this segment; wait for it.
+        // 0, or a stamp left by a forked-from ancestor: free. This process's stamp: another
+        // of its threads is replacing pages of this segment; wait for it.
         if holder != me
             && e.recovering.compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed).is_ok()
         {
@@ -209,10 +211,4 @@ pub(super) fn recover(addr: usize) -> bool {
     };
     e.recovering.store(0, Ordering::Release);
     done
-}
-
-/// The pid, by a system call: `util::fork::pid` may register its fork handler on first use,
-/// which is no work for a signal handler.
-fn pid() -> i32 {
-    rustix::process::getpid().as_raw_nonzero().get()
 }
