@@ -110,9 +110,17 @@ impl Block {
 /// strategy. `MemoryError` when the system has no room (never a bus error later).
 #[pyfunction]
 pub(crate) fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
-    let storage = py.detach(|| if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) });
+    let make = || if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) };
+    // A small block is a slot of an arena, most often a free one: less work than letting
+    // other threads have the GIL and taking it back. A large one may be a new mapping whose
+    // pages the kernel clears; other threads run meanwhile. (Nothing an allocation waits
+    // for needs the GIL, so holding it cannot deadlock.)
+    let storage = if nbytes <= DETACH_ABOVE { make() } else { py.detach(make) };
     Ok(Block { storage: storage.map_err(to_py)? })
 }
+
+/// Blocks larger than this are made with the GIL released.
+const DETACH_ABOVE: usize = 64 * 1024;
 
 /// A new block of `nbytes` in shared memory, registered as this process's block at its
 /// address (so a tensor or array over it is sent without a copy).

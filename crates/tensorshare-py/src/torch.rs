@@ -370,7 +370,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let nbytes: usize = api.storage_nbytes.call0(&storage)?.extract()?;
         let block = match find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes) {
             Some(b) => b,
-            None => move_storage(py, api, &storage, nbytes)?,
+            None => move_storage(py, api, &storage, nbytes, true)?,
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };
@@ -393,18 +393,20 @@ pub(crate) fn move_storage_whole<'py>(
     storage: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, Block>> {
     let nbytes: usize = api.storage_nbytes.call0(storage)?.extract()?;
-    move_storage(py, api, storage, nbytes)
+    move_storage(py, api, storage, nbytes, false)
 }
 
 /// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
 /// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it
 /// follows. Where torch cannot swap a storage's memory (before 2.3), `_reduction` does it for
-/// the one tensor being sent.
+/// the one tensor being sent. `on_cpu`: the caller has seen that the storage is on the CPU
+/// (a CPU tensor's), which is then not asked again.
 pub(crate) fn move_storage<'py>(
     py: Python<'py>,
     api: &Api,
     storage: &Bound<'py, PyAny>,
     nbytes: usize,
+    on_cpu: bool,
 ) -> PyResult<Bound<'py, Block>> {
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     register_block(py, &block)?;
@@ -422,17 +424,18 @@ pub(crate) fn move_storage<'py>(
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
     // copied after the swap when few (see `copy_out`), else before it by torch, under its
     // own rules.
-    let moved = nbytes <= COPY_HERE_MAX && api.storage_device.get(storage)?.eq(api.cpu.bind(py))? && {
-        swap.call1(storage, &fresh)?;
-        match copy_out(api, &fresh, block.get()) {
-            Ok(true) => true,
-            // The storage gets its old memory back, its bytes as they were.
-            failed => {
-                swap.call1(storage, &fresh)?;
-                failed?
+    let moved =
+        nbytes <= COPY_HERE_MAX && (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?) && {
+            swap.call1(storage, &fresh)?;
+            match copy_out(api, &fresh, block.get()) {
+                Ok(true) => true,
+                // The storage gets its old memory back, its bytes as they were.
+                failed => {
+                    swap.call1(storage, &fresh)?;
+                    failed?
+                }
             }
-        }
-    };
+        };
     if !moved {
         api.storage_copy.call1(&fresh, storage)?;
         swap.call1(storage, &fresh)?;
