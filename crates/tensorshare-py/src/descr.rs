@@ -49,7 +49,7 @@ pub(crate) fn c_type<'py>(obj: Bound<'py, PyAny>, name: &str) -> PyResult<Bound<
 
 /// The descriptor `name` defined by `owner` itself (not inherited, not a subclass's).
 fn own<'py>(owner: &Bound<'py, PyType>, name: &str) -> PyResult<Bound<'py, PyAny>> {
-    owner.getattr(pyo3::intern!(owner.py(), "__dict__"))?.get_item(name).map_err(|e| {
+    owner.getattr("__dict__")?.get_item(name).map_err(|e| {
         if e.is_instance_of::<PyKeyError>(owner.py()) {
             PyRuntimeError::new_err(format!("{} has no {name} of its own", type_name(owner)))
         } else {

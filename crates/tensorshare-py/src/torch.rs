@@ -12,8 +12,8 @@ use std::sync::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple, PyType, PyWeakrefReference};
-use pyo3::{intern, IntoPyObjectExt};
+use pyo3::types::{PyDict, PyString, PyTuple, PyType, PyWeakrefReference};
+use pyo3::IntoPyObjectExt;
 use tensorshare::{DType, Device, Tensor, TensorKind, Value};
 
 use crate::descr::{c_type, Getter, Method};
@@ -48,6 +48,11 @@ pub(crate) struct Api {
     storage_copy: Method,
     /// `None` before torch 2.3, which cannot swap a storage's memory.
     storage_swap: Option<Method>,
+    empty_strided: Py<PyAny>,
+    /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
+    /// GIL let go: a Python thread forking then would leave it half filled in its child.
+    key_dtype: Py<PyString>,
+    key_device: Py<PyString>,
 }
 
 /// What is read of a tensor, and the methods called on one.
@@ -133,6 +138,9 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_device: Getter::new(&storage_base, "device")?,
             storage_copy: Method::new(&storage_base, "copy_")?,
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
+            empty_strided: torch.getattr("empty_strided")?.unbind(),
+            key_dtype: PyString::new(py, "dtype").unbind(),
+            key_device: PyString::new(py, "device").unbind(),
             dtypes,
         })
     })()?;
@@ -271,7 +279,7 @@ fn flat_over<'py>(
     dtype: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "dtype"), dtype)?;
+    kwargs.set_item(api.key_dtype.bind(py), dtype)?;
     let flat = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
     let storage = api.t.untyped_storage.call0(&flat)?;
     register_storage(py, block.get().storage.data_ptr(), &storage)?;
@@ -417,7 +425,7 @@ pub(crate) fn move_storage<'py>(
         return Err(PyRuntimeError::new_err("this torch cannot move a storage in place (torch >= 2.3 can)"));
     };
     let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "dtype"), api.uint8.bind(py))?;
+    kwargs.set_item(api.key_dtype.bind(py), api.uint8.bind(py))?;
     let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
     // The storage takes the block's memory, and the reference to the block that keeps it
@@ -530,7 +538,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
     let k = DType::ALL.iter().position(|d| *d == t.dtype()).expect("every dtype is in DType::ALL");
     let dtype = api.dtypes[k].bind(py);
     let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "dtype"), dtype)?;
+    kwargs.set_item(api.key_dtype.bind(py), dtype)?;
     let shape = PyTuple::new(py, t.shape())?;
     let strides = PyTuple::new(py, t.strides())?;
     let out = match t.device() {
@@ -566,16 +574,12 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
         }
         Device::Cpu => {
             // No bytes: an empty tensor (a view of nothing), strides kept.
-            kwargs.set_item(intern!(py, "dtype"), dtype)?;
-            py.import(intern!(py, "torch"))?
-                .getattr(intern!(py, "empty_strided"))?
-                .call((shape, strides), Some(&kwargs))?
+            kwargs.set_item(api.key_dtype.bind(py), dtype)?;
+            api.empty_strided.bind(py).call((shape, strides), Some(&kwargs))?
         }
         Device::Meta => {
-            kwargs.set_item(intern!(py, "device"), "meta")?;
-            py.import(intern!(py, "torch"))?
-                .getattr(intern!(py, "empty_strided"))?
-                .call((shape, strides), Some(&kwargs))?
+            kwargs.set_item(api.key_device.bind(py), "meta")?;
+            api.empty_strided.bind(py).call((shape, strides), Some(&kwargs))?
         }
         Device::Cuda(i) => {
             return Err(PyRuntimeError::new_err(format!(

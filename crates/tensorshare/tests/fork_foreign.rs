@@ -11,6 +11,10 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{pidfd_open, waitpid, Pid, PidfdFlags, WaitOptions};
 use tensorshare::{DType, Queue, SharingStrategy, Storage, Tensor};
 
+tensorshare::enable_test_workers!();
+
+mod common;
+
 /// What a child does with every lock the threads below take: the queue registry (making a
 /// queue, flushing), the allocator (a shared tensor), the forked-outbox map (adopting).
 fn child_uses_every_lock() -> ! {
@@ -141,9 +145,15 @@ fn a_child_forked_while_the_cleanup_group_is_founded_can_use_it() {
 
 /// A child forked while another thread of its parent held the record of a shared tensor's
 /// arena (taking or giving back a handle) can still use and drop a tensor in that arena:
-/// what it inherited is the parent's, and it counts nothing there.
+/// what it inherited is the parent's, and it counts nothing there. In a helper process of
+/// its own: the fork waits for the allocators' locks, which another test's thread could
+/// hold while it waits for the busy record.
 #[test]
 fn a_child_drops_an_inherited_tensor_whose_arena_was_busy_at_the_fork() {
+    common::isolated_with(drop_an_inherited_tensor_whose_arena_was_busy, ());
+}
+
+fn drop_an_inherited_tensor_whose_arena_was_busy(_rank: usize, _: ()) {
     // Two tensors in one arena: the other thread keeps a handle of the first, so the child
     // drops the last handle it has of the second.
     let (busy, dropped) = loop {

@@ -104,10 +104,9 @@ extern "C" fn unlink_named_at_exit() {
 /// out; a worker forked from its parent calls it itself, as it leaves without exit handlers.
 pub(crate) fn unlink_own_names() {
     let me = rustix::process::getpid().as_raw_nonzero().get();
-    // Never made (no named arena here): nothing to do, and nothing is made now (a forked
-    // child could wait forever on an initialisation its parent's other thread had begun).
-    // Another thread may hold the lock while the process exits: then leave the files to the
-    // group's cleaner rather than deadlock in exit.
+    // Not made (no named arena here): nothing to do. Another thread may hold the lock while
+    // the process exits: then leave the files to the group's cleaner rather than deadlock
+    // in exit.
     let Some(Ok(alloc)) = FS.get().map(Mutex::try_lock) else { return };
     for arena in alloc.classes.iter().flat_map(|c| c.arenas.iter()).chain(alloc.large.iter()) {
         if let Some(name) = arena.seg.name() {

@@ -2,7 +2,7 @@
 //! process (`TENSORSHARE_CUDA_DRIVER`), and the fork rule that goes with it.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::real::Real;
@@ -50,18 +50,15 @@ pub(crate) enum Backend {
     Sim(Sim),
 }
 
-/// The process that initialised the device layer. A forked child inherits the
-/// initialised state but not a usable driver, so it gets an error instead.
-static INIT_PID: AtomicI32 = AtomicI32::new(0);
-
-fn pid() -> i32 {
-    rustix::process::getpid().as_raw_nonzero().get()
-}
+/// The process that initialised the device layer, by its `fork::stamp` (0: none). A forked
+/// child inherits the initialised state but not a usable driver, so it gets an error
+/// instead. Not a pid: a descendant may be given the pid of a dead ancestor.
+static INIT_BY: AtomicU64 = AtomicU64::new(0);
 
 /// Whether this process (or the parent it was forked from) has initialised the device
 /// layer.
 pub(crate) fn initialised() -> bool {
-    INIT_PID.load(Ordering::Relaxed) != 0
+    INIT_BY.load(Ordering::Relaxed) != 0
 }
 
 /// The device layer, initialised on first use.
@@ -87,16 +84,17 @@ pub(crate) fn backend() -> Result<&'static Backend> {
     let b = BACKEND.get_or_init(|| {
         let b = choose().map_err(|e| e.to_string());
         if b.is_ok() {
-            INIT_PID.store(pid(), Ordering::Relaxed);
+            INIT_BY.store(crate::util::fork::stamp(), Ordering::Relaxed);
         }
         b
     });
-    let init = INIT_PID.load(Ordering::Relaxed);
-    if init != 0 && init != pid() {
-        return Err(Error::Device(format!(
-            "Cannot re-initialize CUDA in forked subprocess: process {init} initialised CUDA before \
-             this process was forked from it; start workers with StartMethod::Spawn or ForkServer"
-        )));
+    let init = INIT_BY.load(Ordering::Relaxed);
+    if init != 0 && init != crate::util::fork::stamp() {
+        return Err(Error::Device(
+            "Cannot re-initialize CUDA in forked subprocess: a process this one was forked from \
+             initialised CUDA first; start workers with StartMethod::Spawn or ForkServer"
+                .into(),
+        ));
     }
     b.as_ref().map_err(|e| Error::Device(e.clone()))
 }

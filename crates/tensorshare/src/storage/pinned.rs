@@ -26,12 +26,17 @@ impl Storage {
             self.share_memory()?;
         }
         match self.shared() {
-            Some(Shared::Slot(slot)) => slot.arena().pin_with(|ptr, len| {
-                // SAFETY: `pin_with` passes the arena's whole mapping, which the arena keeps
-                // mapped for as long as it keeps the registration (dropped before the
-                // mapping, see Arena).
-                unsafe { crate::cuda::register_host(ptr, len) }
-            }),
+            Some(Shared::Slot(slot)) => {
+                // The device layer first: in a child forked while a thread of its parent
+                // pinned, it refuses before `pin_with` waits for that thread's lock.
+                crate::cuda::device_count()?;
+                slot.arena().pin_with(|ptr, len| {
+                    // SAFETY: `pin_with` passes the arena's whole mapping, which the arena keeps
+                    // mapped for as long as it keeps the registration (dropped before the
+                    // mapping, see Arena).
+                    unsafe { crate::cuda::register_host(ptr, len) }
+                })
+            }
             Some(Shared::Empty(_)) => Ok(()),
             Some(Shared::Device(_)) => {
                 Err(Error::Device("a CUDA storage is device memory: only host memory is pinned".into()))

@@ -10,9 +10,10 @@
 //!   on the forking thread before the fork and drops the guards after it. Registered at
 //!   load, while the process has one thread (or, for a Python extension, while its
 //!   loading thread makes the only use of it), never on first use, so no fork can come
-//!   between a static's first use and its guard. (The fork server's mutex is held while a
-//!   server starts, and the CUDA layer's while the driver works: a fork does not wait for
-//!   those, and a child forked meanwhile cannot use them.)
+//!   between a static's first use and its guard. (Two mutexes are held across waits, and a
+//!   fork does not wait for them: the fork server's record, while a server starts and
+//!   while a request waits for its answer, and the CUDA layer's, while the driver works. A
+//!   child forked meanwhile starts a fork server of its own, and cannot use CUDA.)
 //! - A static made on first use is a [`Lazy`](super::Lazy), which no thread ever waits
 //!   for: a `OnceLock` makes other threads wait for the one making its value, and in a
 //!   child forked meanwhile that thread does not exist, so they would wait for good.

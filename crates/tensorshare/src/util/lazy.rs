@@ -5,10 +5,10 @@
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-/// A static made on first use that no thread ever waits for. Each
-/// caller that finds no value makes one, and the first to publish its value wins; the
-/// others drop theirs. So making a value must have no effect beyond the value (an
-/// allocation, a read of the environment).
+/// A static made on first use that no thread ever waits for. Each caller that finds no
+/// value makes one, and the first to publish its value wins; the others drop theirs. So
+/// making a value must have no effect beyond the value (an allocation, a read of the
+/// environment).
 pub(crate) struct Lazy<T> {
     /// Null, or a `Box::into_raw` of the published value, freed only by `Drop`.
     value: AtomicPtr<T>,

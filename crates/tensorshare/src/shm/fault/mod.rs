@@ -26,7 +26,7 @@
 //!
 //! The handler is async-signal-safe: it reads a lock-free list of entries that are never
 //! freed (`registry`, each entry a seqlock over its fields) and a few atomics, and makes
-//! only system calls (`fstat`, `mmap`, `getpid`, `gettid`, `sched_yield` through rustix;
+//! only system calls (`fstat`, `mmap`, `gettid`, `sched_yield` through rustix;
 //! `sigaction`, `pthread_sigmask`, `sigpending` and `raise` through libc, all
 //! async-signal-safe).
 
