@@ -111,12 +111,21 @@ impl Block {
 #[pyfunction]
 pub(crate) fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
     let make = || if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) };
-    // A small block is a slot of an arena, most often a free one: less work than letting
-    // other threads have the GIL and taking it back. A large one may be a new mapping whose
-    // pages the kernel clears; other threads run meanwhile. (Nothing an allocation waits
-    // for needs the GIL, so holding it cannot deadlock.)
-    let storage = if nbytes <= DETACH_ABOVE { make() } else { py.detach(make) };
-    Ok(Block { storage: storage.map_err(to_py)? })
+    // A small block is a slot of an arena, most often a free one: taking it is less work
+    // than letting other threads have the GIL and taking it back, unless it means waiting
+    // (another thread making an arena, the first named arena's cleanup group), which is
+    // done with the GIL let go. A large one may be a new mapping whose pages the kernel
+    // clears: other threads run meanwhile.
+    let now = if nbytes > 0 && nbytes <= DETACH_ABOVE {
+        Storage::new_shared_now(nbytes).map_err(to_py)?
+    } else {
+        None
+    };
+    let storage = match now {
+        Some(storage) => storage,
+        None => py.detach(make).map_err(to_py)?,
+    };
+    Ok(Block { storage })
 }
 
 /// Blocks larger than this are made with the GIL released.

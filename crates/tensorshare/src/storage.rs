@@ -165,6 +165,22 @@ impl Storage {
         Ok(s)
     }
 
+    /// [`Storage::new_shared`], or `None` where making it would wait for another thread (the
+    /// allocator busy making an arena) or start a process (a `file_system` cleanup group's
+    /// cleaner, the first time): for bindings that hold a lock other threads need, such as
+    /// Python's GIL, and let go of it only to wait. Not part of the API.
+    #[doc(hidden)]
+    pub fn new_shared_now(len: usize) -> Result<Option<Storage>> {
+        if len == 0 {
+            return Storage::new_shared(0).map(Some);
+        }
+        let Some(slot) = arena::allocate_now(len, get_sharing_strategy())? else { return Ok(None) };
+        let s = Storage::from_shared(len, Shared::Slot(slot));
+        // SAFETY: fresh storage, no other handle exists; `len` bytes are in bounds.
+        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, len) };
+        Ok(Some(s))
+    }
+
     /// A shared storage of `len` bytes under `strategy`, with unspecified contents (zero,
     /// or what an earlier storage left in a reused block).
     pub fn empty_shared_with(len: usize, strategy: SharingStrategy) -> Result<Storage> {

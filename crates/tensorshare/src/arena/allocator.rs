@@ -130,10 +130,32 @@ pub(crate) fn allocate(len: usize, strategy: SharingStrategy) -> Result<Slot> {
         // fork lock through the handlers, deadlocks with them.
         crate::shm::group::ensure()?;
     }
-    let mut alloc = lock(allocator(strategy));
+    allocate_locked(&mut lock(allocator(strategy)), len, strategy)
+}
+
+/// [`allocate`], or `None` where it would wait: the allocator busy in another thread (which
+/// may be making a large arena), or, for a named arena, no cleanup group founded yet (which
+/// starts a process). For a caller that holds what other threads need (Python's GIL) and
+/// lets go of it only to wait.
+pub(crate) fn allocate_now(len: usize, strategy: SharingStrategy) -> Result<Option<Slot>> {
+    debug_assert!(len > 0);
+    if strategy == SharingStrategy::FileSystem && crate::shm::group::current().is_none() {
+        return Ok(None);
+    }
+    super::borrow::close_let_go();
+    let mut alloc = match allocator(strategy).try_lock() {
+        Ok(alloc) => alloc,
+        // As `util::lock` does: every structure behind it stays valid at each step.
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return Ok(None),
+    };
+    allocate_locked(&mut alloc, len, strategy).map(Some)
+}
+
+fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) -> Result<Slot> {
     alloc.drop_inherited();
     if len > 1 << MAX_SLOT_SHIFT {
-        return allocate_large(&mut alloc, len, strategy);
+        return allocate_large(alloc, len, strategy);
     }
     let shift = len.next_power_of_two().trailing_zeros().max(MIN_SLOT_SHIFT);
     let class = &mut alloc.classes[(shift - MIN_SLOT_SHIFT) as usize];
@@ -261,6 +283,18 @@ mod tests {
     use super::*;
     use crate::shm::Segment;
     use std::os::fd::AsFd;
+
+    #[test]
+    fn allocating_now_gives_way_to_a_busy_allocator() {
+        let fd = SharingStrategy::FileDescriptor;
+        let busy = lock(allocator(fd));
+        let got =
+            std::thread::scope(|s| s.spawn(|| allocate_now(64, fd).map(|s| s.is_some())).join().unwrap());
+        assert!(!got.unwrap(), "a slot was taken while another thread held the allocator");
+        drop(busy);
+        let slot = allocate_now(64, fd).unwrap().expect("no slot from a free allocator");
+        assert!(slot.arena.slot_size >= 64);
+    }
 
     #[test]
     fn freed_slots_are_reused() {

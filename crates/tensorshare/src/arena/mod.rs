@@ -43,7 +43,7 @@ use crate::shm::Segment;
 use crate::util::lock;
 use crate::{Error, Result, SharingStrategy};
 
-pub(crate) use allocator::{allocate, trim, unlink_own_names};
+pub(crate) use allocator::{allocate, allocate_now, trim, unlink_own_names};
 pub(crate) use borrow::{idle, let_go, settle};
 pub(crate) use hold::Slot;
 use locks::{conflict, lock_range, range_free, runs};
