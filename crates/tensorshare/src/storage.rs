@@ -159,10 +159,15 @@ impl Storage {
 
     /// A shared storage of `len` bytes under the current strategy, zeroed.
     pub fn new_shared(len: usize) -> Result<Storage> {
-        let s = Storage::empty_shared_with(len, get_sharing_strategy())?;
-        // SAFETY: fresh storage, no other handle exists; `len` bytes are in bounds.
-        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, len) };
-        Ok(s)
+        Ok(Storage::zeroed(Storage::empty_shared_with(len, get_sharing_strategy())?))
+    }
+
+    /// `s`, a storage just made (no other handle), with its bytes set to zero.
+    fn zeroed(s: Storage) -> Storage {
+        // SAFETY: `s` is fresh, so no other handle exists to read or write its bytes
+        // meanwhile; `len` bytes are in bounds.
+        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, s.len()) };
+        s
     }
 
     /// [`Storage::new_shared`], or `None` where making it would wait for another thread (the
@@ -175,10 +180,7 @@ impl Storage {
             return Storage::new_shared(0).map(Some);
         }
         let Some(slot) = arena::allocate_now(len, get_sharing_strategy())? else { return Ok(None) };
-        let s = Storage::from_shared(len, Shared::Slot(slot));
-        // SAFETY: fresh storage, no other handle exists; `len` bytes are in bounds.
-        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, len) };
-        Ok(Some(s))
+        Ok(Some(Storage::zeroed(Storage::from_shared(len, Shared::Slot(slot)))))
     }
 
     /// A shared storage of `len` bytes under `strategy`, with unspecified contents (zero,

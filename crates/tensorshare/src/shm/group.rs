@@ -62,10 +62,10 @@ fn group() -> std::sync::MutexGuard<'static, Option<Group>> {
 }
 
 /// The process in which a thread is founding or joining a group now (0: none), as its
-/// `fork::stamp`. Not a mutex: founding starts the cleaner, a fork, which must not happen under a
-/// lock that every fork takes, and a child forked meanwhile must not wait for a thread it
-/// lacks. It finds an ancestor's stamp here, never its own, and founds or joins a group
-/// itself.
+/// `fork::stamp`. Not a mutex: founding starts the cleaner, a fork, which must not happen
+/// under a lock that every fork takes, and a child forked meanwhile must not wait for a
+/// thread it lacks. It finds an ancestor's stamp here, never its own, and founds or joins
+/// a group itself.
 static FOUNDING: AtomicU64 = AtomicU64::new(0);
 
 /// This thread's turn to found or join this process's group.
