@@ -17,6 +17,7 @@ use tensorshare::{Error, Storage};
 
 mod convert;
 mod descr;
+mod dlpack;
 mod pipe;
 mod queue;
 mod torch;

@@ -33,7 +33,9 @@ pub(crate) struct Api {
     dtypes: Vec<Py<PyAny>>,
     empty: Py<PyAny>,
     frombuffer: Py<PyAny>,
-    uint8: Py<PyAny>,
+    /// `torch._C._from_dlpack`, which makes a tensor over a block for less than `frombuffer`
+    /// (see [`crate::dlpack`]); `None` where torch lacks it.
+    from_dlpack: Option<Py<PyAny>>,
     cpu: Py<PyAny>,
     /// A tensor's attributes and methods, from `torch._C.TensorBase`, the C type under every
     /// torch tensor (see [`crate::descr`]).
@@ -66,7 +68,6 @@ struct TensorAccess {
     is_cpu: Getter,
     device: Getter,
     is_neg: Method,
-    is_conj: Method,
     stride: Method,
     storage_offset: Method,
     untyped_storage: Method,
@@ -89,7 +90,6 @@ impl TensorAccess {
             is_cpu: g("is_cpu")?,
             device: g("device")?,
             is_neg: m("is_neg")?,
-            is_conj: m("is_conj")?,
             stride: m("stride")?,
             storage_offset: m("storage_offset")?,
             untyped_storage: m("untyped_storage")?,
@@ -128,9 +128,12 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             tensor: torch.getattr("Tensor")?.unbind(),
             parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
             strided: torch.getattr("strided")?.unbind(),
-            uint8: torch.getattr("uint8")?.unbind(),
             empty: torch.getattr("empty")?.unbind(),
             frombuffer: torch.getattr("frombuffer")?.unbind(),
+            from_dlpack: match c.getattr("_from_dlpack") {
+                Ok(f) => Some(f.unbind()),
+                Err(_) => None,
+            },
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
             t: TensorAccess::new(&tensor_base)?,
             storage_data_ptr: Method::new(&storage_base, "data_ptr")?,
@@ -185,14 +188,28 @@ fn live<'py>(
     map.get(&addr).and_then(|w| w.bind(py).upgrade())
 }
 
-/// Records `obj` at `addr` in the blocks' map or the storages'.
-fn insert(py: Python<'_>, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+/// Records `block` at its address: the block itself when `new` (not yet recorded), and
+/// `storage`, when given, as the torch storage over it. One lock and one sweep for both.
+fn record(
+    py: Python<'_>,
+    block: &Bound<'_, Block>,
+    new: bool,
+    storage: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
     use pyo3::types::PyWeakrefMethods;
-    // Made before the lock is taken: its allocation may run the GC (see `with_registry`).
-    let weak = PyWeakrefReference::new(obj)?.unbind();
+    let addr = block.get().storage.data_ptr();
+    if block.get().storage.is_empty() {
+        return Ok(());
+    }
+    // Made before the lock is taken: their allocation may run the GC (see `with_registry`).
+    let weak_block = if new { Some(PyWeakrefReference::new(block)?.unbind()) } else { None };
+    let weak_storage = storage.map(PyWeakrefReference::new).transpose()?.map(Bound::unbind);
     let gone = with_registry(|registry| {
-        let map = if storage { &mut registry.storages } else { &mut registry.blocks };
-        let mut gone: Vec<Py<PyWeakrefReference>> = map.insert(addr, weak).into_iter().collect();
+        let replaced = [
+            weak_block.and_then(|w| registry.blocks.insert(addr, w)),
+            weak_storage.and_then(|w| registry.storages.insert(addr, w)),
+        ];
+        let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
         let total = registry.blocks.len() + registry.storages.len();
         if total > 2 * registry.swept_at.max(64) {
             for map in [&mut registry.blocks, &mut registry.storages] {
@@ -200,11 +217,11 @@ fn insert(py: Python<'_>, storage: bool, addr: usize, obj: &Bound<'_, PyAny>) ->
                 // the object as it was; the dead ones' weak references go after the lock.
                 let dead: Vec<usize> =
                     map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
-                gone.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
+                swept.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
             }
             registry.swept_at = registry.blocks.len() + registry.storages.len();
         }
-        gone
+        (replaced, swept)
     });
     drop(gone);
     Ok(())
@@ -217,16 +234,7 @@ pub(crate) fn find_block<'py>(py: Python<'py>, addr: usize) -> Option<Bound<'py,
 
 /// Records `block` as the live block at its address.
 pub(crate) fn register_block(py: Python<'_>, block: &Bound<'_, Block>) -> PyResult<()> {
-    let addr = block.get().storage.data_ptr();
-    if block.get().storage.is_empty() {
-        return Ok(());
-    }
-    insert(py, false, addr, block.as_any())
-}
-
-/// Records `storage` as the torch storage over the block at `addr`.
-pub(crate) fn register_storage(py: Python<'_>, addr: usize, storage: &Bound<'_, PyAny>) -> PyResult<()> {
-    insert(py, true, addr, storage)
+    record(py, block, true, None)
 }
 
 /// The torch storage recorded for `block`, if it lives and still holds the block's memory.
@@ -266,24 +274,44 @@ pub(crate) fn storage_of<'py>(
     if let Some(s) = registered_storage(py, api, block)? {
         return Ok(s);
     }
-    Ok(flat_over(py, api, block, api.uint8.bind(py))?.1)
+    Ok(flat_over(py, api, block, DType::U8, false)?.1)
 }
 
 /// A flat tensor of `dtype` over the whole of `block`, made in one call, and its storage,
 /// recorded as the block's torch storage from now on (one per block, as `storage_of` keeps
-/// it). Only for a block that has none yet.
+/// it). Only for a block that has none yet; `new_block`: one not recorded yet either, which
+/// is recorded with it.
 fn flat_over<'py>(
     py: Python<'py>,
     api: &Api,
     block: &Bound<'py, Block>,
-    dtype: &Bound<'py, PyAny>,
+    dtype: DType,
+    new_block: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let kwargs = PyDict::new(py);
-    kwargs.set_item(api.key_dtype.bind(py), dtype)?;
-    let flat = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
+    let flat = flat_tensor(py, api, block, dtype)?;
     let storage = api.t.untyped_storage.call0(&flat)?;
-    register_storage(py, block.get().storage.data_ptr(), &storage)?;
+    record(py, block, new_block, Some(&storage))?;
     Ok((flat, storage))
+}
+
+/// A flat tensor of `dtype` over the whole of `block`, whose storage keeps `block` alive.
+fn flat_tensor<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+    dtype: DType,
+) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(from_dlpack) = &api.from_dlpack {
+        return crate::dlpack::flat(py, from_dlpack.bind(py), block, dtype);
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(api.key_dtype.bind(py), api.dtypes[dtype_index(dtype)].bind(py))?;
+    api.frombuffer.bind(py).call((block,), Some(&kwargs))
+}
+
+/// The place of `dtype` in [`DType::ALL`] (and so of its torch dtype in [`Api::dtypes`]).
+fn dtype_index(dtype: DType) -> usize {
+    DType::ALL.iter().position(|d| *d == dtype).expect("every dtype is in DType::ALL")
 }
 
 /// `tensorshare.empty_shared(shape, dtype)`: a torch tensor of `shape` over a new block,
@@ -306,8 +334,7 @@ pub(crate) fn empty_shared<'py>(
         return Ok(None);
     }
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
-    register_block(py, &block)?;
-    let (flat, _) = flat_over(py, api, &block, dtype)?;
+    let (flat, _) = flat_over(py, api, &block, DType::ALL[k], true)?;
     if dims.len() == 1 {
         return Ok(Some(flat));
     }
@@ -332,13 +359,24 @@ fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Op
     if !a.layout.get(obj)?.is(api.strided.bind(py)) {
         return Ok(None);
     }
-    // A view with torch's negative or conjugate bit reads its storage's values negated or
-    // conjugated, which a handle (storage and geometry) cannot say. torch's pickling keeps
-    // the bits, over the same storage, still sent as a handle.
-    if a.is_neg.call0(obj)?.extract::<bool>()? || a.is_conj.call0(obj)?.extract::<bool>()? {
+    // A view with torch's negative bit reads its storage's values negated, which a handle
+    // (storage and geometry) cannot say. torch's pickling keeps the bit, over the same
+    // storage, still sent as a handle. The conjugate bit needs no look: torch sets it on
+    // complex tensors only (an internal assert in `_set_conj`), and tensorshare has no
+    // complex dtype, so a complex tensor was refused above, bit or not.
+    if a.is_neg.call0(obj)?.extract::<bool>()? {
         return Ok(None);
     }
     Ok(Some((DType::ALL[k], parameter)))
+}
+
+/// A tuple of sizes (a `torch.Size`, a tuple of strides) as a `Vec`, read item by item from
+/// the tuple rather than through the generic sequence protocol.
+fn usizes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    match obj.cast::<PyTuple>() {
+        Ok(t) => t.iter().map(|x| x.extract::<usize>()).collect(),
+        Err(_) => obj.extract(),
+    }
 }
 
 /// Whether `obj` is a torch tensor that [`to_tensor`] sends as a handle: one of a kind that
@@ -360,18 +398,18 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     if requires_grad && !a.is_leaf.get(obj)?.extract::<bool>()? {
         return Err(PyRuntimeError::new_err(NON_LEAF_REFUSED));
     }
-    let shape: Vec<usize> = a.shape.get(obj)?.extract()?;
-    let mut t = if a.is_meta.get(obj)?.extract::<bool>()? {
-        let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
-        Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
-    } else {
-        if !a.is_cpu.get(obj)?.extract::<bool>()? {
+    let shape = usizes(&a.shape.get(obj)?)?;
+    let mut t = if !a.is_cpu.get(obj)?.extract::<bool>()? {
+        if !a.is_meta.get(obj)?.extract::<bool>()? {
             let device = a.device.get(obj)?;
             return Err(PyRuntimeError::new_err(format!(
                 "a tensor on {device} cannot be sent by tensorshare's Python package yet; move it to the CPU first"
             )));
         }
-        let strides: Vec<usize> = a.stride.call0(obj)?.extract()?;
+        let strides = usizes(&a.stride.call0(obj)?)?;
+        Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
+    } else {
+        let strides = usizes(&a.stride.call0(obj)?)?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
         let storage = a.untyped_storage.call0(obj)?;
         let addr: usize = api.storage_data_ptr.call0(&storage)?.extract()?;
@@ -417,16 +455,13 @@ pub(crate) fn move_storage<'py>(
     on_cpu: bool,
 ) -> PyResult<Bound<'py, Block>> {
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
-    register_block(py, &block)?;
     if nbytes == 0 {
         return Ok(block);
     }
     let Some(swap) = &api.storage_swap else {
         return Err(PyRuntimeError::new_err("this torch cannot move a storage in place (torch >= 2.3 can)"));
     };
-    let kwargs = PyDict::new(py);
-    kwargs.set_item(api.key_dtype.bind(py), api.uint8.bind(py))?;
-    let flat = api.frombuffer.bind(py).call((&block,), Some(&kwargs))?;
+    let flat = flat_tensor(py, api, &block, DType::U8)?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
     // The storage takes the block's memory, and the reference to the block that keeps it
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
@@ -448,13 +483,8 @@ pub(crate) fn move_storage<'py>(
         api.storage_copy.call1(&fresh, storage)?;
         swap.call1(storage, &fresh)?;
     }
-    register_storage(py, block.get().storage.data_ptr(), storage)?;
+    record(py, &block, true, Some(storage))?;
     Ok(block)
-}
-
-thread_local! {
-    /// [`copy_out`]'s staging buffer, kept between calls.
-    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Copies into `block` the bytes of CPU storage `old`, which has just taken a storage's old
@@ -467,8 +497,8 @@ thread_local! {
 /// torch operation running meanwhile in another thread without the GIL on the storage being
 /// moved reads the block's bytes before or during the copy, and its writes may be lost, as
 /// writes made during any move are (share a tensor before handing it to writers, as in
-/// torch). The block's bytes are written as every safe write of this crate writes shared
-/// memory (`Tensor::copy_from_slice`), so such a write races with nothing here.
+/// torch). The block's bytes are written as every safe write of tensorshare writes shared
+/// memory, so such a write races with nothing here.
 fn copy_out(api: &Api, old: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> {
     let len = block.storage.len();
     // From the swap to the end of the read only torch's C methods `data_ptr` and `nbytes`
@@ -481,62 +511,23 @@ fn copy_out(api: &Api, old: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> 
     if addr == 0 || held != len {
         return Ok(false);
     }
-    let mut flat = Tensor::from_storage(block.storage.clone(), DType::U8, &[len], &[1], 0).map_err(to_py)?;
-    STAGING.with(|cell| {
-        let mut buf = cell.borrow_mut();
-        buf.clear();
-        buf.resize(len, 0);
-        // SAFETY: `addr..addr + len` is the host memory `old` holds, as torch's C methods
-        // reported it just now (a CPU storage of `len` bytes, checked above). `old` was made
-        // by the caller and no reference to it has left it, so no torch operation in any
-        // thread can resize or free its memory, and no Python code has run since the swap
-        // (the GIL is held, and only C methods that run none were called), so none has found
-        // it either; it lives until the caller returns. An operation that read the storage's
-        // old address before the swap may still write those bytes from another thread: they
-        // are read with volatile loads of plain integers, which accept any bit pattern and
-        // assume nothing about other users of the memory (torn bytes, as torch's own copy
-        // would read). `buf` is this thread's own, `len` bytes long, and cannot overlap
-        // torch's allocation.
-        unsafe { copy_volatile(addr as *const u8, buf.as_mut_ptr(), len) };
-        flat.copy_from_slice::<u8>(&buf).map_err(to_py)
-    })?;
+    // SAFETY: `addr..addr + len` is the host memory `old` holds, as torch's C methods
+    // reported it just now (a CPU storage of `len` bytes, checked above). `old` was made by
+    // the caller and no reference to it has left it, so no torch operation in any thread
+    // can resize or free its memory, and no Python code has run since the swap (the GIL is
+    // held, and only C methods that run none were called), so none has found it either; it
+    // lives until the caller returns. An operation that read the storage's old address
+    // before the swap may still write those bytes from another thread: the copy reads them
+    // with volatile loads, which assume nothing about other users of the memory (torn bytes,
+    // as torch's own copy would read). torch's allocation cannot overlap the block, an arena
+    // slot this process holds.
+    unsafe { block.storage.copy_from_volatile(addr as *const u8) }.map_err(to_py)?;
     Ok(true)
-}
-
-/// Copies `len` bytes from `src` to `dst` with volatile loads: aligned 8-byte words, and
-/// single bytes at the ends, so that no load leaves `src..src + len`.
-///
-/// # Safety
-/// `src..src + len` must be readable and `dst..dst + len` writable for the call, and no one
-/// else may access `dst..dst + len` meanwhile; the ranges must not overlap.
-unsafe fn copy_volatile(src: *const u8, dst: *mut u8, len: usize) {
-    const WORD: usize = std::mem::size_of::<u64>();
-    let head = (src.align_offset(WORD)).min(len);
-    let words = (len - head) / WORD;
-    let mut i = 0;
-    while i < len {
-        let whole_word = i >= head && i < head + words * WORD;
-        // SAFETY: `i < len`, so `src + i` and `dst + i` are in the caller's ranges; a whole
-        // word is read only from `i = head + k * WORD`, where `src + i` is 8-byte aligned and
-        // its 8 bytes end by `head + words * WORD <= len`; `dst` may be unaligned, so the
-        // word is written unaligned.
-        unsafe {
-            if whole_word {
-                let w = src.add(i).cast::<u64>().read_volatile();
-                dst.add(i).cast::<u64>().write_unaligned(w);
-                i += WORD;
-            } else {
-                dst.add(i).write(src.add(i).read_volatile());
-                i += 1;
-            }
-        }
-    }
 }
 
 /// A received tensor as a torch tensor over its block's torch storage.
 pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<PyAny>> {
-    let k = DType::ALL.iter().position(|d| *d == t.dtype()).expect("every dtype is in DType::ALL");
-    let dtype = api.dtypes[k].bind(py);
+    let dtype = api.dtypes[dtype_index(t.dtype())].bind(py);
     let kwargs = PyDict::new(py);
     kwargs.set_item(api.key_dtype.bind(py), dtype)?;
     let shape = PyTuple::new(py, t.shape())?;
@@ -544,13 +535,9 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
     let out = match t.device() {
         Device::Cpu if !t.storage().is_empty() => {
             let addr = t.storage().data_ptr();
-            let block = match find_block(py, addr).filter(|b| b.get().storage.ptr_eq(t.storage())) {
-                Some(b) => b,
-                None => {
-                    let b = Bound::new(py, Block { storage: t.storage().clone() })?;
-                    register_block(py, &b)?;
-                    b
-                }
+            let (block, new) = match find_block(py, addr).filter(|b| b.get().storage.ptr_eq(t.storage())) {
+                Some(b) => (b, false),
+                None => (Bound::new(py, Block { storage: t.storage().clone() })?, true),
             };
             // The first tensor over a block that it covers whole, flat (what a producer's
             // fresh tensor most often is): one call makes both the block's torch storage and
@@ -560,11 +547,16 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                 && t.storage_offset() == 0
                 && t.shape()[0].checked_mul(t.dtype().size()) == Some(block.get().storage.len());
             match registered_storage(py, api, &block)? {
-                None if whole => flat_over(py, api, &block, dtype)?.0,
+                None if whole => flat_over(py, api, &block, t.dtype(), new)?.0,
                 known => {
                     let storage = match known {
-                        Some(s) => s,
-                        None => flat_over(py, api, &block, api.uint8.bind(py))?.1,
+                        Some(s) => {
+                            if new {
+                                register_block(py, &block)?;
+                            }
+                            s
+                        }
+                        None => flat_over(py, api, &block, DType::U8, new)?.1,
                     };
                     let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
                     api.t.set_.bind(py).call1((&out, storage, t.storage_offset(), shape, strides))?;

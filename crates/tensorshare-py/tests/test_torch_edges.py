@@ -276,3 +276,43 @@ def _add_one_uint16(q, back):
     t = q.get(timeout=LONG)
     t.copy_((t.to(torch.int32) + 1).to(torch.uint16))
     back.put(str(t.dtype))
+
+
+def test_a_block_lives_as_long_as_the_torch_tensors_over_it_and_no_longer():
+    # The torch storage made over a block (through DLPack) holds the block, and lets it go
+    # when torch frees the storage: for a tensor moved by a put, for the tensor a get makes
+    # over the same block, and for empty_shared's.
+    torch = import_torch()
+    import gc
+    import weakref
+
+    import tensorshare as ts
+    import tensorshare.multiprocessing as mp
+    from tensorshare import _native
+
+    t = torch.full((256,), 3.0)
+    q = mp.get_context("spawn").Queue()
+    q.put(t)  # moves t's storage into a block, in place
+    addr = t.untyped_storage().data_ptr()
+    moved = weakref.ref(_native.find_block(addr))
+    got = q.get(timeout=LONG)
+    assert got.untyped_storage().data_ptr() == addr
+    received = weakref.ref(_native.find_block(addr))
+    view = got[10:20]
+    del t, got
+    gc.collect()
+    assert view.tolist() == [3.0] * 10
+    assert received() is not None  # the view still holds its block
+    del view
+    gc.collect()
+    assert moved() is None and received() is None
+    assert _native.find_block(addr) is None
+
+    for dtype in (torch.bool, torch.bfloat16, torch.int16, torch.float64):
+        e = ts.empty_shared((4, 8), dtype)
+        assert e.dtype == dtype and e.shape == (4, 8)
+        block = weakref.ref(_native.find_block(e.untyped_storage().data_ptr()))
+        assert block() is not None
+        del e
+        gc.collect()
+        assert block() is None

@@ -170,6 +170,54 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// Copies `len` bytes from `src`, memory outside every storage that other code may write
+/// meanwhile, to `dst`, written as [`store`] writes. `src` is read with volatile loads of
+/// plain integers, which accept any bit pattern: aligned words where `src` and `dst` are
+/// aligned alike (the common case: both allocators align to 64 bytes), single bytes
+/// elsewhere, so that no load leaves `src..src + len`. A write racing with the read leaves
+/// torn bytes, as any copy of such memory would.
+///
+/// # Safety
+/// `src..src + len` must be readable for the call; `dst..dst + len` must lie in one host
+/// storage's bytes, which live for the call; the ranges must not overlap.
+pub(crate) unsafe fn store_from_volatile(src: *const u8, dst: *mut u8, len: usize) {
+    if src as usize % WORD != dst as usize % WORD {
+        let mut buf = [0u8; 512];
+        let mut done = 0;
+        while done < len {
+            let n = buf.len().min(len - done);
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                // SAFETY: done + k < len: in the range the caller vouched for.
+                *b = unsafe { src.add(done + k).read_volatile() };
+            }
+            // SAFETY: dst + done .. + n lies in the storage range the caller vouched for.
+            unsafe { store(dst.add(done), &buf[..n]) };
+            done += n;
+        }
+        return;
+    }
+    let (head, body, tail) = split(dst as usize, len);
+    let mut bytes = [0u8; WORD];
+    // SAFETY: the head, the words and the tail cover the two ranges the caller vouched for,
+    // at the same offsets; `src + head` is 8-byte aligned as `dst + head` is (the two are
+    // equal modulo 8), so every whole word is read aligned and lies in `src..src + len`; the
+    // head and the tail are read byte by byte and each lies in one word of `dst`.
+    unsafe {
+        for (k, b) in bytes[..head].iter_mut().enumerate() {
+            *b = src.add(k).read_volatile();
+        }
+        store_in_word(dst, &bytes[..head]);
+        for k in 0..body / WORD {
+            let w = src.add(head + k * WORD).cast::<u64>().read_volatile();
+            AtomicU64::from_ptr(dst.add(head + k * WORD).cast::<u64>()).store(w, Ordering::Relaxed);
+        }
+        for (k, b) in bytes[..tail].iter_mut().enumerate() {
+            *b = src.add(head + body + k).read_volatile();
+        }
+        store_in_word(dst.add(head + body), &bytes[..tail]);
+    }
+}
+
 /// Atomically applies `f` to the `n` bytes at `p`, which lie in one word, and returns what
 /// they were before. `f` may run several times (when another thread changes the word
 /// meanwhile); its last run is the one that counts.
@@ -208,6 +256,7 @@ mod tests {
 
     /// A 64-byte aligned buffer, as every storage is.
     #[repr(C, align(64))]
+    #[derive(Clone)]
     struct Buf([u8; 64]);
 
     #[test]
@@ -238,6 +287,25 @@ mod tests {
         assert_eq!(&b.0[32..36], &[0xAA, 7, 8, 0xAA]);
         assert_eq!(&b.0[40..53], &src[..]);
         assert_eq!(b.0[53], 0xAA);
+    }
+
+    #[test]
+    fn volatile_copies_land_whole_and_leave_neighbours_alone() {
+        // Sources aligned alike and unlike the destination, lengths across word edges and
+        // beyond the unaligned path's 512-byte chunk.
+        let src: Vec<u8> = (0..1100u32).map(|i| (i * 7 + 1) as u8).collect();
+        for (s_off, d_off, len) in [(0, 0, 0), (0, 0, 1), (3, 3, 13), (8, 0, 1024), (1, 6, 700), (5, 2, 1030)]
+        {
+            let mut dst = vec![Buf([0xAA; 64]); 18];
+            let d = dst.as_mut_ptr().cast::<u8>();
+            // SAFETY: `src[s_off..s_off + len]` is readable; `d_off + len` bytes fit in the
+            // 1152-byte, 64-byte aligned destination, which does not overlap it.
+            unsafe { store_from_volatile(src.as_ptr().add(s_off), d.add(d_off), len) };
+            // SAFETY: the destination's 1152 initialised bytes, read after the copy.
+            let out = unsafe { std::slice::from_raw_parts(d, 18 * 64) };
+            assert_eq!(&out[d_off..d_off + len], &src[s_off..s_off + len], "{s_off} {d_off} {len}");
+            assert!(out[..d_off].iter().chain(&out[d_off + len..]).all(|&b| b == 0xAA));
+        }
     }
 
     #[test]

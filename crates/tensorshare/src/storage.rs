@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 #[cfg(feature = "cuda")]
 mod pinned;
+mod volatile;
 
 use crate::arena::{self, Slot};
 use crate::{get_sharing_strategy, Error, Result, SharingStrategy};

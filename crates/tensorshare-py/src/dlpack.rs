@@ -1,0 +1,127 @@
+//! torch tensors over blocks, made through DLPack (`torch._C._from_dlpack`).
+//!
+//! `torch.frombuffer` parses its arguments (about a third of its cost) and its storage lets
+//! go of the block through a buffer release that takes the GIL. A DLPack capsule is one
+//! argument; the tensor torch makes from it keeps the [`Export`] below, and with it the
+//! block, until torch calls the export's deleter when the storage is freed.
+
+use std::ffi::{c_void, CStr};
+
+use dlpark::ffi::{DLDataType, DLDevice, DLManagedTensor, DLTensor};
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use tensorshare::DType;
+
+use crate::Block;
+
+/// The name of a capsule holding a legacy `DLManagedTensor` not yet taken; torch renames a
+/// capsule it takes to `used_dltensor`.
+const NAME: &CStr = c"dltensor";
+
+/// What torch is handed: the descriptor it reads, its shape and stride, and the block,
+/// which the descriptor's memory is, kept alive until torch calls [`delete`].
+#[repr(C)]
+struct Export {
+    /// First, so that the descriptor's address is the export's, which [`delete`] is given.
+    managed: DLManagedTensor,
+    shape: i64,
+    stride: i64,
+    block: Py<Block>,
+}
+
+/// The DLPack type of a tensorshare dtype, as torch reads it.
+fn dl_dtype(d: DType) -> DLDataType {
+    match d {
+        DType::Bool => DLDataType::BOOL,
+        DType::U8 => DLDataType::U8,
+        DType::I8 => DLDataType::I8,
+        DType::I16 => DLDataType::I16,
+        DType::I32 => DLDataType::I32,
+        DType::I64 => DLDataType::I64,
+        DType::F16 => DLDataType::F16,
+        DType::BF16 => DLDataType::BF16,
+        DType::F32 => DLDataType::F32,
+        DType::F64 => DLDataType::F64,
+    }
+}
+
+/// A flat tensor of `dtype` over the whole of `block`, made by `from_dlpack`
+/// (`torch._C._from_dlpack`), whose storage holds `block` until torch frees it.
+pub(crate) fn flat<'py>(
+    py: Python<'py>,
+    from_dlpack: &Bound<'py, PyAny>,
+    block: &Bound<'py, Block>,
+    dtype: DType,
+) -> PyResult<Bound<'py, PyAny>> {
+    let storage = &block.get().storage;
+    let len = storage.len();
+    if len == 0 || len % dtype.size() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "a block of {len} bytes is no whole number of {dtype} elements (and at least one)"
+        )));
+    }
+    let n = i64::try_from(len / dtype.size())
+        .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large for torch")))?;
+    let raw = Box::into_raw(Box::new(Export {
+        managed: DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: storage.as_mut_ptr().cast::<c_void>(),
+                device: DLDevice::CPU,
+                ndim: 1,
+                dtype: dl_dtype(dtype),
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete),
+        },
+        shape: n,
+        stride: 1,
+        block: block.clone().unbind(),
+    }));
+    // SAFETY: `raw` is the live allocation just made, owned here until the capsule takes it;
+    // the shape and stride pointers point into the same allocation, which does not move and
+    // lives as long as the descriptor (they are freed together, by `delete`).
+    unsafe {
+        (*raw).managed.dl_tensor.shape = &raw mut (*raw).shape;
+        (*raw).managed.dl_tensor.strides = &raw mut (*raw).stride;
+    }
+    // SAFETY: a capsule of a non-null pointer with a static name and a destructor that frees
+    // the export only while the capsule still has that name (no consumer took it).
+    let capsule = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), NAME.as_ptr(), Some(free_untaken)) };
+    if capsule.is_null() {
+        // SAFETY: no capsule holds `raw`, so it is still owned here, and freed only now.
+        unsafe { delete(raw.cast::<DLManagedTensor>()) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `capsule` is a new, owned reference, checked non-null above.
+    let capsule = unsafe { Bound::from_owned_ptr(py, capsule) };
+    from_dlpack.call1((capsule,))
+}
+
+/// A capsule's destructor: frees the export of a capsule no consumer took (torch renames
+/// the capsules it takes, and frees their exports through [`delete`] itself).
+unsafe extern "C" fn free_untaken(capsule: *mut ffi::PyObject) {
+    // SAFETY: CPython calls this with the GIL held on a capsule being freed; asking a
+    // capsule its name and pointer sets no error when the name matches, as checked first.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
+            delete(ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DLManagedTensor>());
+        }
+    }
+}
+
+/// The descriptor's deleter, called once by whoever owns the export last (torch when it
+/// frees the storage, else [`free_untaken`] or [`flat`]).
+unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
+    // SAFETY: every descriptor whose deleter is this one is the first field of an `Export`
+    // boxed by `flat` (`repr(C)`: the same address), and DLPack's owner calls the deleter
+    // once, after its last use of the descriptor, so the box is ours to free.
+    let export = unsafe { Box::from_raw(managed.cast::<Export>()) };
+    let Export { block, .. } = *export;
+    // torch may free a storage in a thread that does not hold the GIL. While the interpreter
+    // shuts down, the reference is let go later by pyo3, if ever (the process is ending).
+    let _ = Python::try_attach(move |_| drop(block));
+}
