@@ -7,6 +7,7 @@
 //! tensors received from one storage share one torch storage here too.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -152,12 +153,38 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     Ok(API.get(py))
 }
 
+/// Weak references to Python objects, by the address of the block they are over.
+type ByAddress = HashMap<usize, Py<PyWeakrefReference>, BuildHasherDefault<AddressHasher>>;
+
+/// A hash of addresses, which this process's allocator gives and no peer chooses: FxHash's
+/// multiply, whose well-mixed high bits are rotated down to where the map picks a bucket
+/// (block addresses are multiples of 64, so the product's low bits are zero). SipHash's
+/// resistance to chosen keys buys nothing here, and costs a few lookups per tensor.
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0.rotate_left(5) ^ n as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0.rotate_left(26)
+    }
+}
+
 /// Weak references by address: the live blocks of this process, and the torch storage made
 /// over each.
 #[derive(Default)]
 struct Registry {
-    blocks: HashMap<usize, Py<PyWeakrefReference>>,
-    storages: HashMap<usize, Py<PyWeakrefReference>>,
+    blocks: ByAddress,
+    storages: ByAddress,
     /// Entries at the last sweep of dead ones: the next sweep comes at twice as many.
     swept_at: usize,
 }
@@ -179,11 +206,7 @@ fn with_registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
 
 /// The object `map` refers to at `addr`, if it is alive. Runs no Python code (for
 /// [`with_registry`]): the new strong reference is to a live object, and is returned.
-fn live<'py>(
-    py: Python<'py>,
-    map: &HashMap<usize, Py<PyWeakrefReference>>,
-    addr: usize,
-) -> Option<Bound<'py, PyAny>> {
+fn live<'py>(py: Python<'py>, map: &ByAddress, addr: usize) -> Option<Bound<'py, PyAny>> {
     use pyo3::types::PyWeakrefMethods;
     map.get(&addr).and_then(|w| w.bind(py).upgrade())
 }

@@ -32,7 +32,10 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// A multiplicative hash (FxHash's), for the maps of the per-message path, whose keys no
 /// peer chooses freely: addresses in this process, descriptor numbers, device/inode
 /// numbers the kernel gave, slot numbers checked against their arena. SipHash's flooding
-/// resistance buys nothing there, and costs a tenth of a small message's encoding.
+/// resistance buys nothing there, and costs a tenth of a small message's encoding. The
+/// product's high bits are the well-mixed ones: `finish` rotates them down to where a map
+/// picks its bucket, so that keys with zero low bits (aligned addresses) do not all start
+/// their probe at the same bucket.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct FastHasher(u64);
 
@@ -58,7 +61,7 @@ impl std::hash::Hasher for FastHasher {
     }
 
     fn finish(&self) -> u64 {
-        self.0
+        self.0.rotate_left(26)
     }
 }
 
@@ -69,3 +72,22 @@ pub(crate) mod fork;
 mod lazy;
 
 pub(crate) use lazy::Lazy;
+
+#[cfg(test)]
+mod tests {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+
+    use super::FastHasher;
+
+    #[test]
+    fn aligned_addresses_spread_over_the_low_bits() {
+        // A map picks a key's first bucket from the hash's low bits: keys that are multiples
+        // of 64 (arena slots, storage addresses) must not all land on the same few.
+        let build = BuildHasherDefault::<FastHasher>::default();
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..4096u64 {
+            seen.insert(build.hash_one(0x7f00_0000_0000 + k * 64) & 1023);
+        }
+        assert!(seen.len() > 900, "{} of 1024 buckets", seen.len());
+    }
+}
