@@ -185,9 +185,15 @@ impl Hasher for AddressHasher {
 struct Registry {
     blocks: ByAddress,
     storages: ByAddress,
-    /// Entries at the last sweep of dead ones: the next sweep comes at twice as many.
+    /// Entries at the last sweep of dead ones: the next sweep comes at twice as many, and
+    /// not before [`SWEEP_FROM`].
     swept_at: usize,
 }
+
+/// Entries below which dead ones are not swept: an address is most often reused soon (an
+/// arena hands its freed slots out again), which replaces its dead entry at no cost, while
+/// a sweep reads every entry. A few thousand weak references are a few hundred KiB.
+const SWEEP_FROM: usize = 2048;
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
@@ -234,7 +240,7 @@ fn record(
         ];
         let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
         let total = registry.blocks.len() + registry.storages.len();
-        if total > 2 * registry.swept_at.max(64) {
+        if total > 2 * registry.swept_at.max(SWEEP_FROM / 2) {
             for map in [&mut registry.blocks, &mut registry.storages] {
                 // `upgrade` of a live object returns a reference that goes at once, leaving
                 // the object as it was; the dead ones' weak references go after the lock.
