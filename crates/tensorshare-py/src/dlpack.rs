@@ -1,8 +1,7 @@
 //! torch tensors over blocks, made through DLPack (`torch._C._from_dlpack`).
 //!
-//! `torch.frombuffer` parses its arguments (about a third of its cost) and its storage lets
-//! go of the block through a buffer release that takes the GIL. A DLPack capsule is one
-//! argument; the tensor torch makes from it keeps the [`Export`] below, and with it the
+//! `torch.frombuffer` parses its arguments (about a third of its cost). A DLPack capsule is
+//! one argument; the tensor torch makes from it keeps the [`Export`] below, and with it the
 //! block, until torch calls the export's deleter when the storage is freed.
 
 use std::ffi::{c_void, CStr};
@@ -15,8 +14,7 @@ use tensorshare::DType;
 
 use crate::Block;
 
-/// The name of a capsule holding a legacy `DLManagedTensor` not yet taken; torch renames a
-/// capsule it takes to `used_dltensor`.
+/// The name of a capsule holding a legacy `DLManagedTensor`.
 const NAME: &CStr = c"dltensor";
 
 /// What torch is handed: the descriptor it reads, its shape and stride, and the block,
@@ -88,9 +86,13 @@ pub(crate) fn flat<'py>(
         (*raw).managed.dl_tensor.shape = &raw mut (*raw).shape;
         (*raw).managed.dl_tensor.strides = &raw mut (*raw).stride;
     }
-    // SAFETY: a capsule of a non-null pointer with a static name and a destructor that frees
-    // the export only while the capsule still has that name (no consumer took it).
-    let capsule = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), NAME.as_ptr(), Some(free_untaken)) };
+    // SAFETY: a capsule of a non-null pointer with a static name. It has no destructor:
+    // torch renames a capsule only once it has made its tensor, and may already have called
+    // the deleter when making it fails (out of memory inside torch), so a destructor that
+    // freed the export of a capsule still named after a failure could free it twice. Such
+    // an export is left, with its block (every descriptor made here is one torch reads, so
+    // only running out of memory fails).
+    let capsule = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), NAME.as_ptr(), None) };
     if capsule.is_null() {
         // SAFETY: no capsule holds `raw`, so it is still owned here, and freed only now.
         unsafe { delete(raw.cast::<DLManagedTensor>()) };
@@ -101,27 +103,37 @@ pub(crate) fn flat<'py>(
     from_dlpack.call1((capsule,))
 }
 
-/// A capsule's destructor: frees the export of a capsule no consumer took (torch renames
-/// the capsules it takes, and frees their exports through [`delete`] itself).
-unsafe extern "C" fn free_untaken(capsule: *mut ffi::PyObject) {
-    // SAFETY: CPython calls this with the GIL held on a capsule being freed; asking a
-    // capsule its name and pointer sets no error when the name matches, as checked first.
-    unsafe {
-        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
-            delete(ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DLManagedTensor>());
-        }
-    }
-}
-
-/// The descriptor's deleter, called once by whoever owns the export last (torch when it
-/// frees the storage, else [`free_untaken`] or [`flat`]).
+/// The descriptor's deleter, called once by whoever owns the export last: torch when it
+/// frees the storage, or [`flat`] when no capsule could be made.
 unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
     // SAFETY: every descriptor whose deleter is this one is the first field of an `Export`
     // boxed by `flat` (`repr(C)`: the same address), and DLPack's owner calls the deleter
     // once, after its last use of the descriptor, so the box is ours to free.
     let export = unsafe { Box::from_raw(managed.cast::<Export>()) };
     let Export { block, .. } = *export;
-    // torch may free a storage in a thread that does not hold the GIL. While the interpreter
-    // shuts down, the reference is let go later by pyo3, if ever (the process is ending).
-    let _ = Python::try_attach(move |_| drop(block));
+    // SAFETY: a strong reference, now owned here alone.
+    unsafe { release(block.into_ptr()) };
+}
+
+/// Lets go of strong reference `obj` from any thread, holding the GIL or not: torch frees a
+/// storage wherever its last tensor goes, also in code that let go of the GIL under a pyo3
+/// call (pyo3's own count of the GIL would then be wrong). `PyGILState_Ensure` asks the
+/// interpreter, and takes the GIL if this thread lacks it; while the interpreter shuts down
+/// it parks a thread that is not its own for good (pyo3's wrapper keeps that from unwinding
+/// through Rust frames), and once the interpreter is gone the reference is left: the process
+/// is ending.
+///
+/// # Safety
+/// `obj` must be a strong reference the caller owns, and gives up here.
+unsafe fn release(obj: *mut ffi::PyObject) {
+    // SAFETY: `Py_IsInitialized` may be called from any thread at any time; the reference is
+    // let go with the GIL held, taken here if need be, and given back as it was.
+    unsafe {
+        if ffi::Py_IsInitialized() == 0 {
+            return;
+        }
+        let state = ffi::PyGILState_Ensure();
+        ffi::Py_DecRef(obj);
+        ffi::PyGILState_Release(state);
+    }
 }

@@ -390,9 +390,10 @@ fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Op
     }
     // A view with torch's negative bit reads its storage's values negated, which a handle
     // (storage and geometry) cannot say. torch's pickling keeps the bit, over the same
-    // storage, still sent as a handle. The conjugate bit needs no look: torch sets it on
-    // complex tensors only (an internal assert in `_set_conj`), and tensorshare has no
-    // complex dtype, so a complex tensor was refused above, bit or not.
+    // storage, still sent as a handle. The conjugate bit needs no look: tensorshare has no
+    // complex dtype, so a complex tensor was refused above, bit or not, and conjugating real
+    // values leaves them as they are (torch refuses the bit on a real tensor with an
+    // internal assert, though only after setting it).
     if a.is_neg.call0(obj)?.extract::<bool>()? {
         return Ok(None);
     }

@@ -182,16 +182,27 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
 /// storage's bytes, which live for the call; the ranges must not overlap.
 pub(crate) unsafe fn store_from_volatile(src: *const u8, dst: *mut u8, len: usize) {
     if src as usize % WORD != dst as usize % WORD {
-        let mut buf = [0u8; 512];
+        // Through a private buffer a chunk at a time, `src` read in its own aligned words.
+        let mut buf = [0u8; 4096];
         let mut done = 0;
         while done < len {
             let n = buf.len().min(len - done);
-            for (k, b) in buf[..n].iter_mut().enumerate() {
-                // SAFETY: done + k < len: in the range the caller vouched for.
-                *b = unsafe { src.add(done + k).read_volatile() };
+            let (head, body, tail) = split(src as usize + done, n);
+            // SAFETY: src + done .. + n lies in the range the caller vouched for; its head
+            // and tail are read byte by byte, its body in whole words, aligned (it starts on
+            // a word boundary of `src`'s addresses), written unaligned into `buf`; dst + done
+            // .. + n lies in the storage range the caller vouched for.
+            unsafe {
+                let s = src.add(done);
+                for k in (0..head).chain(head + body..head + body + tail) {
+                    buf[k] = s.add(k).read_volatile();
+                }
+                for k in (head..head + body).step_by(WORD) {
+                    let w = s.add(k).cast::<u64>().read_volatile();
+                    buf[k..k + WORD].copy_from_slice(&w.to_ne_bytes());
+                }
+                store(dst.add(done), &buf[..n]);
             }
-            // SAFETY: dst + done .. + n lies in the storage range the caller vouched for.
-            unsafe { store(dst.add(done), &buf[..n]) };
             done += n;
         }
         return;
@@ -292,17 +303,23 @@ mod tests {
     #[test]
     fn volatile_copies_land_whole_and_leave_neighbours_alone() {
         // Sources aligned alike and unlike the destination, lengths across word edges and
-        // beyond the unaligned path's 512-byte chunk.
-        let src: Vec<u8> = (0..1100u32).map(|i| (i * 7 + 1) as u8).collect();
-        for (s_off, d_off, len) in [(0, 0, 0), (0, 0, 1), (3, 3, 13), (8, 0, 1024), (1, 6, 700), (5, 2, 1030)]
-        {
-            let mut dst = vec![Buf([0xAA; 64]); 18];
+        // beyond the unaligned path's 4096-byte chunk.
+        const N: usize = 80;
+        let mut backing = vec![Buf([0; 64]); N];
+        for (i, b) in backing.iter_mut().flat_map(|b| b.0.iter_mut()).enumerate() {
+            *b = (i * 7 + 1) as u8;
+        }
+        // SAFETY: the initialised bytes of the 64-byte aligned `backing`, which outlives it.
+        let src = unsafe { std::slice::from_raw_parts(backing.as_ptr().cast::<u8>(), N * 64) };
+        let cases = [(0, 0, 0), (0, 0, 1), (3, 3, 13), (3, 3, 20), (8, 0, 1024), (1, 6, 700), (5, 2, 5000)];
+        for (s_off, d_off, len) in cases {
+            let mut dst = vec![Buf([0xAA; 64]); N];
             let d = dst.as_mut_ptr().cast::<u8>();
             // SAFETY: `src[s_off..s_off + len]` is readable; `d_off + len` bytes fit in the
-            // 1152-byte, 64-byte aligned destination, which does not overlap it.
+            // N * 64-byte, 64-byte aligned destination, which does not overlap it.
             unsafe { store_from_volatile(src.as_ptr().add(s_off), d.add(d_off), len) };
-            // SAFETY: the destination's 1152 initialised bytes, read after the copy.
-            let out = unsafe { std::slice::from_raw_parts(d, 18 * 64) };
+            // SAFETY: the destination's N * 64 initialised bytes, read after the copy.
+            let out = unsafe { std::slice::from_raw_parts(d, N * 64) };
             assert_eq!(&out[d_off..d_off + len], &src[s_off..s_off + len], "{s_off} {d_off} {len}");
             assert!(out[..d_off].iter().chain(&out[d_off + len..]).all(|&b| b == 0xAA));
         }
