@@ -33,6 +33,18 @@ unsafe fn is_named(s: *const c_char, name: &str) -> bool {
     !s.is_null() && unsafe { CStr::from_ptr(s) }.to_bytes() == name.as_bytes()
 }
 
+/// `obj`, which must be a function defined in C (a `builtin_function_or_method`, which Python
+/// code can neither make nor subclass) named `name`: a function a program put in torch's
+/// place is refused, as [`c_type`] refuses a class.
+pub(crate) fn c_function<'py>(obj: Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let named = obj.is_exact_instance_of::<pyo3::types::PyCFunction>()
+        && obj.getattr("__name__")?.extract::<String>().is_ok_and(|n| n == name);
+    if !named {
+        return Err(PyRuntimeError::new_err(format!("{} is not torch's C function {name}", obj.repr()?)));
+    }
+    Ok(obj)
+}
+
 /// `obj`, which must be the static type named `name` (as C code defines types: a class
 /// statement or `type()` makes heap types only, so no Python code can make one that passes).
 pub(crate) fn c_type<'py>(obj: Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyType>> {

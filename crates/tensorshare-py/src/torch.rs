@@ -17,7 +17,7 @@ use pyo3::types::{PyDict, PyString, PyTuple, PyType, PyWeakrefReference};
 use pyo3::IntoPyObjectExt;
 use tensorshare::{DType, Device, Tensor, TensorKind, Value};
 
-use crate::descr::{c_type, Getter, Method};
+use crate::descr::{c_function, c_type, Getter, Method};
 use crate::{to_py, Block};
 
 /// What torch's own queues say of a non-leaf tensor that requires grad.
@@ -130,11 +130,18 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
             strided: torch.getattr("strided")?.unbind(),
             empty: torch.getattr("empty")?.unbind(),
-            frombuffer: torch.getattr("frombuffer")?.unbind(),
-            from_dlpack: match c.getattr("_from_dlpack") {
-                Ok(f) => Some(f.unbind()),
-                Err(_) => None,
-            },
+            // Both make a tensor over a block whose storage is then swapped into the one being
+            // moved, so only torch's own will do: a function a program put in the place of
+            // either could hand back any storage. `frombuffer` is taken from the C type that
+            // holds torch's functions (`torch.frombuffer` is the same object, unless wrapped),
+            // and a replaced `_from_dlpack` is left for it.
+            frombuffer: c_function(c.getattr("_VariableFunctions")?.getattr("frombuffer")?, "frombuffer")?
+                .unbind(),
+            from_dlpack: c
+                .getattr("_from_dlpack")
+                .ok()
+                .and_then(|f| c_function(f, "_from_dlpack").ok())
+                .map(Bound::unbind),
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
             t: TensorAccess::new(&tensor_base)?,
             storage_data_ptr: Method::new(&storage_base, "data_ptr")?,

@@ -316,3 +316,42 @@ def test_a_block_lives_as_long_as_the_torch_tensors_over_it_and_no_longer():
         del e
         gc.collect()
         assert block() is None
+
+
+PATCHED_MAKERS = """
+    import torch
+
+    calls = []
+
+
+    def wrap(real):
+        def fake(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        return fake
+
+
+    for name in {targets}:
+        owner, attr = name.rsplit(".", 1)
+        setattr(eval(owner), attr, wrap(getattr(eval(owner), attr)))
+
+    import tensorshare.multiprocessing as mp
+
+    t = torch.ones(4)
+    q = mp.get_context("spawn").Queue()
+    q.put(t)
+    print("shared", t.is_shared(), "calls", len(calls))
+"""
+
+
+@pytest.mark.parametrize(
+    "targets", [["torch._C._from_dlpack"], ["torch._C._from_dlpack", "torch.frombuffer"]]
+)
+def test_functions_put_in_place_of_those_that_make_a_tensor_over_a_block_are_not_called(targets):
+    # Before: both were looked up by name and called, so a program that had replaced one was
+    # handed the block and chose the storage that was then swapped into the tensor moved.
+    import_torch()
+    out = run_python(PATCHED_MAKERS.format(targets=targets), timeout=LONG)
+    assert out.returncode == 0, out.stderr
+    assert "shared True calls 0" in out.stdout, out.stdout
