@@ -4,6 +4,7 @@
 //! one argument; the tensor torch makes from it keeps the [`Export`] below, and with it the
 //! block, until torch calls the export's deleter when the storage is freed.
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 
 use dlpark::ffi::{DLDataType, DLDevice, DLManagedTensor, DLTensor};
@@ -86,26 +87,50 @@ pub(crate) fn flat<'py>(
         (*raw).managed.dl_tensor.shape = &raw mut (*raw).shape;
         (*raw).managed.dl_tensor.strides = &raw mut (*raw).stride;
     }
+    let raw = raw.cast::<DLManagedTensor>();
     // SAFETY: a capsule of a non-null pointer with a static name. It has no destructor:
     // torch renames a capsule only once it has made its tensor, and may already have called
     // the deleter when making it fails (out of memory inside torch), so a destructor that
-    // freed the export of a capsule still named after a failure could free it twice. Such
-    // an export is left, with its block (every descriptor made here is one torch reads, so
-    // only running out of memory fails).
+    // freed the export of a capsule still named after a failure could free it twice. A
+    // failure is settled below instead.
     let capsule = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), NAME.as_ptr(), None) };
     if capsule.is_null() {
         // SAFETY: no capsule holds `raw`, so it is still owned here, and freed only now.
-        unsafe { delete(raw.cast::<DLManagedTensor>()) };
+        unsafe { delete(raw) };
         return Err(PyErr::fetch(py));
     }
     // SAFETY: `capsule` is a new, owned reference, checked non-null above.
     let capsule = unsafe { Bound::from_owned_ptr(py, capsule) };
-    from_dlpack.call1((capsule,))
+    let outer = IN_FLIGHT.with(|c| c.replace(raw));
+    let made = from_dlpack.call1((capsule,));
+    let untouched = IN_FLIGHT.with(|c| c.replace(outer)) == raw;
+    if made.is_err() && untouched {
+        // torch refused the descriptor before it wrapped it (a dtype it does not read, say):
+        // it never calls the deleter then, so the export is still ours.
+        // SAFETY: torch did not call `delete` (it would have cleared `IN_FLIGHT`), and a
+        // failed call keeps nothing that could call it later: the export is owned here.
+        unsafe { delete(raw) };
+    }
+    made
+}
+
+thread_local! {
+    /// The export whose `from_dlpack` call runs in this thread, until [`delete`] frees it
+    /// (which torch does in the same thread when a call fails after it wrapped the
+    /// descriptor): after a failed call, whether the export is still [`flat`]'s to free.
+    static IN_FLIGHT: Cell<*mut DLManagedTensor> = const { Cell::new(std::ptr::null_mut()) };
 }
 
 /// The descriptor's deleter, called once by whoever owns the export last: torch when it
-/// frees the storage, or [`flat`] when no capsule could be made.
+/// frees the storage, or [`flat`] when torch did not take it.
 unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
+    // `try_with`: during this thread's teardown the slot may be gone; nothing is in flight
+    // then.
+    let _ = IN_FLIGHT.try_with(|c| {
+        if c.get() == managed {
+            c.set(std::ptr::null_mut());
+        }
+    });
     // SAFETY: every descriptor whose deleter is this one is the first field of an `Export`
     // boxed by `flat` (`repr(C)`: the same address), and DLPack's owner calls the deleter
     // once, after its last use of the descriptor, so the box is ours to free.

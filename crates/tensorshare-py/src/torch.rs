@@ -549,15 +549,16 @@ fn copy_out(api: &Api, old: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> 
         return Ok(false);
     }
     // SAFETY: `addr..addr + len` is the host memory `old` holds, as torch's C methods
-    // reported it just now (a CPU storage of `len` bytes, checked above). `old` was made by
-    // the caller and no reference to it has left it, so no torch operation in any thread
-    // can resize or free its memory, and no Python code has run since the swap (the GIL is
-    // held, and only C methods that run none were called), so none has found it either; it
-    // lives until the caller returns. An operation that read the storage's old address
-    // before the swap may still write those bytes from another thread: the copy reads them
-    // with volatile loads, which assume nothing about other users of the memory (torn bytes,
-    // as torch's own copy would read). torch's allocation cannot overlap the block, an arena
-    // slot this process holds.
+    // reported it just now (a CPU storage of `len` bytes, checked above). `old` is the
+    // storage of the tensor the caller had torch make over the block, by torch's own C
+    // function (`Api` takes no other), and no reference to it has left the caller, so no
+    // torch operation in any thread can resize or free its memory, and no Python code has
+    // run since the swap (the GIL is held, and only C methods that run none were called), so
+    // none has found it either; it lives until the caller returns. An operation that read
+    // the storage's old address before the swap may still write those bytes from another
+    // thread: the copy reads them with volatile loads, which assume nothing about other
+    // users of the memory (torn bytes, as torch's own copy would read). torch's allocation
+    // cannot overlap the block, an arena slot this process holds.
     unsafe { block.storage.copy_from_volatile(addr as *const u8) }.map_err(to_py)?;
     Ok(true)
 }

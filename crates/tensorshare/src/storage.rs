@@ -104,7 +104,8 @@ unsafe impl Sync for Inner {}
 /// when that process lets go or dies). Arenas of small storages are kept for reuse; a large
 /// storage's arena is kept only within bounds (1 GiB and 8 arenas in all, none larger than
 /// 256 MiB, none idle past 5 s at the next allocation or free; a receiver keeps such arenas
-/// mapped up to 512 MiB), so dropping a big tensor gives its memory back. [`crate::trim_arenas`] lets go of everything free.
+/// mapped up to 512 MiB), so dropping a big tensor gives its memory back.
+/// [`crate::trim_arenas`] lets go of everything free.
 ///
 /// # Aliasing
 /// Like torch, tensorshare lets many handles (clones, views, other processes) reach the
