@@ -338,7 +338,13 @@ fn flat_tensor<'py>(
     dtype: DType,
 ) -> PyResult<Bound<'py, PyAny>> {
     if let Some(from_dlpack) = &api.from_dlpack {
-        return crate::dlpack::flat(py, from_dlpack.bind(py), block, dtype);
+        match crate::dlpack::flat(py, from_dlpack.bind(py), block, dtype) {
+            Ok(flat) => return Ok(flat),
+            // A torch that does not read this dtype through DLPack (bool came late to its
+            // DLPack import): `frombuffer` reads every dtype torch has.
+            Err(_) if dtype != DType::U8 => {}
+            Err(e) => return Err(e),
+        }
     }
     let kwargs = PyDict::new(py);
     kwargs.set_item(api.key_dtype.bind(py), api.dtypes[dtype_index(dtype)].bind(py))?;
