@@ -55,7 +55,7 @@ pub(crate) fn flat<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let storage = &block.get().storage;
     let len = storage.len();
-    if len == 0 || len % dtype.size() != 0 {
+    if len == 0 || !len.is_multiple_of(dtype.size()) {
         return Err(PyValueError::new_err(format!(
             "a block of {len} bytes is no whole number of {dtype} elements (and at least one)"
         )));
