@@ -572,10 +572,13 @@ fn copy_out(api: &Api, old: &Bound<'_, PyAny>, block: &Block) -> PyResult<bool> 
 /// A received tensor as a torch tensor over its block's torch storage.
 pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<PyAny>> {
     let dtype = api.dtypes[dtype_index(t.dtype())].bind(py);
-    let kwargs = PyDict::new(py);
-    kwargs.set_item(api.key_dtype.bind(py), dtype)?;
-    let shape = PyTuple::new(py, t.shape())?;
-    let strides = PyTuple::new(py, t.strides())?;
+    // `dtype=` and the geometry as Python objects, made only where a call takes them (the
+    // common flat tensor over a whole block needs none).
+    let args = || -> PyResult<_> {
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(api.key_dtype.bind(py), dtype)?;
+        Ok((kwargs, PyTuple::new(py, t.shape())?, PyTuple::new(py, t.strides())?))
+    };
     let out = match t.device() {
         Device::Cpu if !t.storage().is_empty() => {
             let addr = t.storage().data_ptr();
@@ -602,6 +605,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
                         }
                         None => flat_over(py, api, &block, DType::U8, new)?.1,
                     };
+                    let (kwargs, shape, strides) = args()?;
                     let out = api.empty.bind(py).call((0,), Some(&kwargs))?;
                     api.t.set_.bind(py).call1((&out, storage, t.storage_offset(), shape, strides))?;
                     out
@@ -610,10 +614,11 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
         }
         Device::Cpu => {
             // No bytes: an empty tensor (a view of nothing), strides kept.
-            kwargs.set_item(api.key_dtype.bind(py), dtype)?;
+            let (kwargs, shape, strides) = args()?;
             api.empty_strided.bind(py).call((shape, strides), Some(&kwargs))?
         }
         Device::Meta => {
+            let (kwargs, shape, strides) = args()?;
             kwargs.set_item(api.key_device.bind(py), "meta")?;
             api.empty_strided.bind(py).call((shape, strides), Some(&kwargs))?
         }
