@@ -65,3 +65,21 @@ fn lane_messages_a_peer_forged_are_refused_and_the_queue_goes_on() {
     assert!(back.storage().ptr_eq(shared.storage()));
     assert_eq!(back.to_vec::<f32>().unwrap(), vec![3.0; 16]);
 }
+
+/// A record a peer wrote into the socket without counting it (or with the count lowered
+/// after) reaches a consumer that waits: receivers skip the socket only while awake, and
+/// look at it after every sleep whatever the count says.
+#[test]
+fn a_record_written_without_being_counted_still_comes() {
+    use std::os::fd::AsFd;
+    let core = core();
+    let out = crate::channel::frame::Outgoing::new(crate::wire::encode(&11u32).unwrap()).unwrap();
+    crate::channel::socket::send_record(core.tx.as_fd(), out.parts(), &out.fds()).unwrap();
+    assert!(!core.control.may_have_records(), "nothing counted it");
+    assert_eq!(core.get::<u32>(soon()).unwrap(), 11);
+    // Counted, then the count lowered by a peer before it is taken.
+    core.control.record_coming();
+    crate::channel::socket::send_record(core.tx.as_fd(), out.parts(), &out.fds()).unwrap();
+    core.control.record_gone();
+    assert_eq!(core.get::<u32>(soon()).unwrap(), 11);
+}
