@@ -172,22 +172,47 @@ pub(crate) fn find(tx: BorrowedFd<'_>, mut want: impl FnMut(&Entry) -> bool) -> 
     found
 }
 
+/// The window of the front entry of `tx`'s receive queue, read in place with `peek`, else
+/// taken out: None when the queue is empty, `Some(None)` for a record that is not an entry.
+///
+/// No descriptor is installed in this process: the read offers no room for one, so the
+/// kernel keeps a peeked record's descriptors in the queue and closes those of a record
+/// taken out itself (flagging the read `MSG_CTRUNC`, which is how an entry, which carries
+/// one, shows here). A record with no descriptor is no entry.
+fn front_window(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<u64>>> {
+    let mut bytes = [0u8; MAX_ENTRY + 1];
+    let mut no_room = RecvAncillaryBuffer::default();
+    let mut flags = RecvFlags::DONTWAIT;
+    if peek {
+        flags |= RecvFlags::PEEK;
+    }
+    let r = match rustix::net::recvmsg(tx, &mut [IoSliceMut::new(&mut bytes)], &mut no_room, flags) {
+        Ok(r) => r,
+        Err(Errno::AGAIN) => return Ok(None),
+        Err(e) => return Err(Error::io("reading the lane's directory (recvmsg)", e)),
+    };
+    if r.flags.contains(ReturnFlags::TRUNC) || !r.flags.contains(ReturnFlags::CTRUNC) {
+        return Ok(Some(None));
+    }
+    Ok(Some(parse(&bytes[..r.bytes], None).map(|e| e.window)))
+}
+
 /// Takes out, from the front, the entries of windows before `open` (over) and those of
 /// windows after `last` (which cannot have begun: a peer's), and what is not an entry.
 /// Returns how many went. Call under the directory's lock.
 pub(crate) fn take_out_over(tx: BorrowedFd<'_>, open: u64, last: u64) -> Result<usize> {
+    // Peeks read the front only with the peek offset off. `find` turns it off when it is
+    // done, but a process that died inside it may have left it on.
+    set_peek_offset(tx, -1)?;
     let mut n = 0;
     for _ in 0..MAX_LOOK {
-        set_peek_offset(tx, 0)?;
-        let front = read(tx, true);
-        let _ = set_peek_offset(tx, -1);
-        match front? {
+        match front_window(tx, true)? {
             None => break,
-            Some(Some(e)) if e.window >= open && e.window <= last => break,
+            Some(Some(w)) if w >= open && w <= last => break,
             Some(_) => {
-                // Out (closing what it carried); an entry that arrived meanwhile cannot be
-                // the one taken, since entries are only added at the back.
-                let _ = read(tx, false)?;
+                // Out (the kernel closes what it carried); an entry that arrived meanwhile
+                // cannot be the one taken, since entries are only added at the back.
+                let _ = front_window(tx, false)?;
                 n += 1;
             }
         }
@@ -198,6 +223,7 @@ pub(crate) fn take_out_over(tx: BorrowedFd<'_>, open: u64, last: u64) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustix::fs::{flock, FlockOperation};
     use std::os::fd::AsFd;
 
     #[test]
@@ -230,5 +256,30 @@ mod tests {
             crate::channel::socket::try_recv(rx.as_fd()).unwrap(),
             crate::channel::socket::Received::Empty
         ));
+    }
+
+    /// A description taken out of the directory is closed: what it held goes. Taking out
+    /// reads the front even where a peek offset was left on (a process that died inside
+    /// `find`).
+    #[test]
+    fn what_is_taken_out_is_closed_and_a_stale_peek_offset_changes_nothing() {
+        let (tx, rx) = crate::channel::socket::pair().unwrap();
+        let file = rustix::fs::memfd_create("dir-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let id = crate::shm::file_id(file.as_fd()).unwrap();
+        let held = crate::shm::reopen(file.as_fd()).unwrap();
+        flock(&held, FlockOperation::NonBlockingLockShared).unwrap();
+        park(rx.as_fd(), held.as_fd(), 0, id, None).unwrap();
+        drop(held);
+        let other = crate::shm::reopen(file.as_fd()).unwrap();
+        let exclusive = || flock(&other, FlockOperation::NonBlockingLockExclusive).is_ok();
+        assert!(!exclusive(), "the parked description holds its lock");
+        // Window 1's entry behind it, and a peek offset left past window 0's entry.
+        park(rx.as_fd(), file.as_fd(), 1, id, None).unwrap();
+        set_peek_offset(tx.as_fd(), 26).unwrap();
+        assert_eq!(take_out_over(tx.as_fd(), 1, 1).unwrap(), 1);
+        assert!(exclusive(), "the description taken out was closed");
+        let left = find(tx.as_fd(), |_| true).unwrap().expect("window 1's entry stays");
+        assert_eq!(left.window, 1);
+        assert!(left.fd.is_some());
     }
 }
