@@ -262,10 +262,12 @@ impl Core {
         let mut empty_since: Option<Instant> = None;
         let mut closed = false;
         // The socket is looked at when the count of its records says one may be there, and
-        // after every sleep whatever the count says: a peer may have written it without
-        // counting, or lowered the count, which delays its records by a sleep at most.
-        // (Looking for sure at first would cost a `recvmsg` on every receive that finds the
-        // lane empty.)
+        // after every sleep whatever the count says. Honest writers count a record before
+        // writing it and ring after, so only a peer that writes uncounted records or lowers
+        // the count delays records (its own and those behind it) by the polling window and
+        // one sleep of at most `QUIET`, and a get whose deadline passes within the window
+        // (a zero timeout) may miss them, where `try_get` would not. Looking for sure at
+        // first would cost a `recvmsg` on every receive that finds the lane empty.
         let mut sure = false;
         loop {
             // Read before looking: a message sent after the look rings after this read.

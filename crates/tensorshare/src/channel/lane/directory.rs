@@ -4,11 +4,13 @@
 //! end (`rx`); nothing goes the other way, so `tx`'s own receive queue is free. The
 //! directory is that queue: a description is parked by sending it from `rx` (one entry: a
 //! record of its window, the arena's identity and name, with the descriptor attached), and
-//! lives in the socket's buffer, held by the kernel, whoever dies. Entries are read with
+//! lives in the socket's buffer, held by the kernel, whoever dies. Entries are looked up with
 //! `MSG_PEEK` at an offset (`SO_PEEK_OFF`), which leaves them in place, and taken out from
-//! the front once their window is over (see `Ring::first_open_window`). The peek offset
-//! belongs to the socket, so every look and every removal happens under the directory's
-//! lock (an OFD write lock on a byte of the control block, see `Control::with_directory`).
+//! the front once their window is over (see `Ring::first_open_window`), peeked at with the
+//! offset off and read with no room for their descriptors, which the kernel then keeps
+//! queued or lets go itself. The peek offset belongs to the socket, so every look and every
+//! removal happens under the directory's lock (an OFD write lock on a byte of the control
+//! block, see `Control::with_directory`).
 //!
 //! Entries are what peers wrote: one that does not parse, or whose descriptor is not the
 //! arena it claims, is skipped; one from a window that cannot have begun is taken out.
@@ -98,17 +100,13 @@ pub(crate) fn park(
     Ok(())
 }
 
-/// Reads one entry of `tx`'s receive queue: the next one past the peek offset with `peek`,
-/// else the front one, taken out. None when there are no more; `Some(None)` for a record
-/// that is not an entry.
-fn read(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<Entry>>> {
+/// Reads, in place, the entry of `tx`'s receive queue at the peek offset, which moves past
+/// it. None when there are no more; `Some(None)` for a record that is not an entry.
+fn peek(tx: BorrowedFd<'_>) -> Result<Option<Option<Entry>>> {
     let mut bytes = [0u8; MAX_ENTRY + 1];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let mut flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
-    if peek {
-        flags |= RecvFlags::PEEK;
-    }
+    let flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC | RecvFlags::PEEK;
     let r = match rustix::net::recvmsg(tx, &mut [IoSliceMut::new(&mut bytes)], &mut control, flags) {
         Ok(r) => r,
         Err(Errno::AGAIN) => return Ok(None),
@@ -159,7 +157,7 @@ pub(crate) fn find(tx: BorrowedFd<'_>, mut want: impl FnMut(&Entry) -> bool) -> 
     set_peek_offset(tx, 0)?;
     let found = (|| {
         for _ in 0..MAX_LOOK {
-            match read(tx, true)? {
+            match peek(tx)? {
                 None => return Ok(None),
                 Some(Some(e)) if want(&e) => return Ok(Some(e)),
                 Some(_) => {}
@@ -176,9 +174,12 @@ pub(crate) fn find(tx: BorrowedFd<'_>, mut want: impl FnMut(&Entry) -> bool) -> 
 /// taken out: None when the queue is empty, `Some(None)` for a record that is not an entry.
 ///
 /// No descriptor is installed in this process: the read offers no room for one, so the
-/// kernel keeps a peeked record's descriptors in the queue and closes those of a record
-/// taken out itself (flagging the read `MSG_CTRUNC`, which is how an entry, which carries
-/// one, shows here). A record with no descriptor is no entry.
+/// kernel keeps a peeked record's descriptors in the queue and drops its references to
+/// those of a record taken out (a description then closes unless someone else holds it),
+/// flagging the read `MSG_CTRUNC`, which is how an entry, which carries one, shows here. A
+/// record with no descriptor is no entry. (The flag would also be set by credentials or
+/// security labels, which nothing here asks the socket for; a peer that asked could only
+/// make a record without a descriptor stay in the directory until its window is over.)
 fn front_window(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<u64>>> {
     let mut bytes = [0u8; MAX_ENTRY + 1];
     let mut no_room = RecvAncillaryBuffer::default();
@@ -202,7 +203,8 @@ fn front_window(tx: BorrowedFd<'_>, peek: bool) -> Result<Option<Option<u64>>> {
 /// Returns how many went. Call under the directory's lock.
 pub(crate) fn take_out_over(tx: BorrowedFd<'_>, open: u64, last: u64) -> Result<usize> {
     // Peeks read the front only with the peek offset off. `find` turns it off when it is
-    // done, but a process that died inside it may have left it on.
+    // done, but it may have been left on (a process that died inside `find`, or a reset
+    // that failed).
     set_peek_offset(tx, -1)?;
     let mut n = 0;
     for _ in 0..MAX_LOOK {
