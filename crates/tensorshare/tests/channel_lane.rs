@@ -131,3 +131,85 @@ fn poll_fd_wakes_for_values_in_the_lane_and_after() {
     assert_eq!(ctx.join(None), Ok(true));
     assert_eq!(got, vec![0, 1, 2, 3, 4, 5]);
 }
+
+fn keep_the_first(_rank: usize, (q, back, go): (Queue<Vec<Tensor>>, Queue<u64>, Queue<()>)) {
+    let mut got = q.get().unwrap();
+    let (flag, kept) = (got.pop().unwrap(), got.pop().unwrap());
+    back.put(0).unwrap();
+    // Neither receiving nor waiting (either would settle the borrowed holds into locks of
+    // this process's own): polling the shared flag the creator raises once it is done.
+    let since = std::time::Instant::now();
+    while flag.to_vec::<f32>().unwrap()[0] != 1.0 {
+        assert!(since.elapsed() < Duration::from_secs(60), "the flag never came");
+        std::hint::spin_loop();
+    }
+    assert!(kept.to_vec::<f32>().unwrap().iter().all(|v| *v == 1.0), "the slot kept was reused");
+    drop((kept, flag));
+    back.put(1).unwrap();
+    for i in 2..102u64 {
+        drop(q.get().unwrap());
+        back.put(i).unwrap();
+    }
+    // What the lane lent this process is given back: its window, and the descriptions it
+    // borrowed from the directory.
+    tensorshare::trim_arenas();
+    back.put(u64::MAX).unwrap();
+    go.get().unwrap();
+}
+
+/// A receiver borrows the holds of the send description a lane message names (parked in
+/// the queue's directory) instead of locking the slots: while it keeps a tensor, neither
+/// receiving nor waiting, its slot is never handed out again by the creator, although the
+/// lane's windows have moved on and the directory has let the description go; once it has
+/// dropped it, taken a hundred more and trimmed, every slot comes back to the creator
+/// (which received its own messages meanwhile, borrowing nothing).
+#[test]
+fn lane_slots_stay_held_while_kept_and_all_come_back_after() {
+    // Alone in a process of its own: other tests' tensors would take slots from the same
+    // arenas.
+    common::isolated(lane_slots_body, tensorshare::StartMethod::Spawn);
+}
+
+fn lane_slots_body(_rank: usize, _method: tensorshare::StartMethod) {
+    let q: Queue<Vec<Tensor>> = Queue::new().unwrap();
+    let (back, go) = (Queue::<u64>::new().unwrap(), Queue::<()>::new().unwrap());
+    let mut ctx = spawn(keep_the_first, (q.clone(), back.clone(), go.clone()), 1).unwrap();
+    let fresh = |v: f32| {
+        let mut t = Tensor::empty_shared(&[1024], DType::F32).unwrap();
+        t.fill(v).unwrap();
+        t
+    };
+    let flag = fresh(0.0);
+    let kept = fresh(1.0);
+    let mut sent = vec![kept.storage().data_ptr()];
+    q.put(vec![kept, flag.clone()]).unwrap();
+    assert_eq!(back.get().unwrap(), 0);
+    // Windows go by: this process takes its own messages.
+    for _ in 0..200 {
+        let t = fresh(2.0);
+        sent.push(t.storage().data_ptr());
+        q.put(vec![t]).unwrap();
+        drop(q.get().unwrap());
+    }
+    assert_eq!(raw::lane_claimed(&q), 201, "every message went through the lane");
+    let others = hand_out_everything_else();
+    assert!(others.iter().all(|t| t.storage().data_ptr() != sent[0]), "the kept slot was handed out");
+    drop(others);
+    flag.clone().fill(1.0f32).unwrap();
+    assert_eq!(back.get().unwrap(), 1);
+    // The receiver takes a hundred more, borrowing as it goes, and lets them go.
+    for i in 2..102u64 {
+        let t = fresh(3.0);
+        sent.push(t.storage().data_ptr());
+        q.put(vec![t]).unwrap();
+        assert_eq!(back.get().unwrap(), i);
+    }
+    assert_eq!(raw::lane_claimed(&q), 301, "every message went through the lane");
+    assert_eq!(back.get().unwrap(), u64::MAX);
+    let again = hand_out_everything_else();
+    let back_again = sent.iter().filter(|a| again.iter().any(|t| t.storage().data_ptr() == **a)).count();
+    drop(again);
+    go.put(()).unwrap();
+    ctx.join(None).unwrap();
+    assert_eq!(back_again, sent.len(), "slots the receiver let go of were not given back");
+}

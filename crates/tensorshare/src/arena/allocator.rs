@@ -332,7 +332,7 @@ mod tests {
         let arena = a.arena.clone();
         // A message takes the slot to another holder, which locks it on a description of
         // its own and lets the message go.
-        let message = arena.send_hold(&[0]).unwrap();
+        let message = arena.send_hold(&[0]).unwrap().0;
         let other = arena.seg.reopen().unwrap();
         lock_range(other.as_fd(), 0, 1, libc::F_RDLCK).unwrap();
         drop(message);
@@ -352,7 +352,7 @@ mod tests {
         let len = (31 << 20) + 7;
         let a = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         let arena = a.arena.clone();
-        let message = arena.send_hold(&[0]).unwrap(); // a message in flight carries this
+        let message = arena.send_hold(&[0]).unwrap().0; // a message in flight carries this
         drop(a);
         let b = allocate(len, SharingStrategy::FileDescriptor).unwrap();
         assert!(!Arc::ptr_eq(&b.arena, &arena), "a slot a message in flight holds was handed out");

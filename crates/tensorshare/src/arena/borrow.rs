@@ -11,8 +11,10 @@
 //! - otherwise it *settles*: it locks the slots on its own description and lets the
 //!   borrowed one go. It settles at its next receive, whenever it waits for a message (time
 //!   it would spend idle), and when a value arrives any other way than through a queue or a
-//!   pipe (a worker's arguments, a pool's task), so a borrowed description is kept for one
-//!   message at most and never while its holder waits.
+//!   pipe (a worker's arguments, a pool's task), so a slot borrows a description for one
+//!   message at most and never while its holder waits. (A queue's lane keeps the latest
+//!   description it borrowed of each arena for the lane messages that follow, for about
+//!   two windows: see `channel::queue_lane::arenas`.)
 //!
 //! A borrowed hold is never less than a lock of one's own while both processes are honest:
 //! nobody unlocks a send description. A peer that has the same description (another
@@ -187,7 +189,7 @@ mod tests {
     /// process's view of it, as a receiver maps it.
     fn sent() -> (Arc<Arena>, Arc<OwnedFd>, Arc<Arena>) {
         let creator = Arc::new(Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap());
-        let message = creator.send_hold(&[1]).unwrap();
+        let message = creator.send_hold(&[1]).unwrap().0;
         // The sender lets its send description go: the message alone holds the slot.
         creator.state().send = None;
         let seg = Segment::from_fd(creator.seg.reopen().unwrap(), 0).unwrap();
@@ -199,7 +201,7 @@ mod tests {
     fn a_borrowed_hold_goes_on_with_the_message_and_settles_into_a_lock_of_ones_own() {
         let (creator, message, holder) = sent();
         let slots = Slot::hold(&holder, &[1], Some(&message)).unwrap();
-        assert!(Arc::ptr_eq(&holder.send_hold(&[1]).unwrap(), &message), "passed on as it came");
+        assert!(Arc::ptr_eq(&holder.send_hold(&[1]).unwrap().0, &message), "passed on as it came");
         assert!(holder.settle());
         assert_eq!(Arc::strong_count(&message), 1, "settled: the message's description is let go");
         drop(message);

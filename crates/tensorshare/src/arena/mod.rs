@@ -116,6 +116,8 @@ struct SendHold {
     /// How many slots are locked on it.
     nlocked: usize,
     messages: u32,
+    /// A random number naming it in a queue's lane directory, never 0 (see `send_hold`).
+    tag: u64,
 }
 
 impl std::fmt::Debug for Arena {
@@ -257,6 +259,11 @@ impl Arena {
     }
 
     /// Whether this is an arena of one storage larger than any size class.
+    /// Whether this process made the arena (and so never holds its slots: see above).
+    pub(crate) fn is_creator(&self) -> bool {
+        self.creator
+    }
+
     pub(crate) fn is_large(&self) -> bool {
         self.nslots == 1 && self.slot_size > allocator::LARGEST_CLASS
     }

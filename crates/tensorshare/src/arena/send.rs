@@ -10,8 +10,12 @@ use crate::{Error, Result};
 
 impl Arena {
     /// The description a message naming `slots` of this arena carries, with each slot
-    /// locked on it. The caller holds a handle of each slot.
-    pub(crate) fn send_hold(self: &Arc<Self>, slots: &[u32]) -> Result<Arc<OwnedFd>> {
+    /// locked on it, and its tag: a random number, never 0, that names this description
+    /// among those parked in a queue's lane directory (see `channel::lane`), so that a lane
+    /// message's receiver can borrow the holds as a socket message's receiver does; 0 for a
+    /// description this process borrowed, which its receivers then do not borrow. The
+    /// caller holds a handle of each slot.
+    pub(crate) fn send_hold(self: &Arc<Self>, slots: &[u32]) -> Result<(Arc<OwnedFd>, u64)> {
         if !self.is_own() {
             return Err(Error::Unsupported(
                 "a storage inherited through fork cannot be sent from the child; send it from the \
@@ -23,7 +27,7 @@ impl Arena {
         if let Some(via) = forwarded(&st, slots) {
             // Slots this process holds through the description of the message that brought
             // them: that description holds them all, and nobody unlocks it. It goes on.
-            return Ok(via);
+            return Ok((via, 0));
         }
         if st.send.as_ref().is_some_and(|s| s.messages >= SEND_BATCH || s.nlocked >= SEND_SLOTS) {
             st.send = None;
@@ -41,6 +45,7 @@ impl Arena {
                 sent: vec![false; n],
                 nlocked: 0,
                 messages: 0,
+                tag: random_tag(),
             });
         }
         let st = &mut *st;
@@ -63,8 +68,15 @@ impl Arena {
             }
         }
         send.messages += 1;
-        Ok(send.fd.clone())
+        Ok((send.fd.clone(), send.tag))
     }
+}
+
+/// A random number that is not 0.
+fn random_tag() -> u64 {
+    let mut b = [0u8; 8];
+    crate::util::random_bytes(&mut b);
+    u64::from_le_bytes(b) | 1
 }
 
 /// The one borrowed description through which this process holds all of `slots`, if any.

@@ -23,8 +23,12 @@ use super::queue_core::Core;
 use super::socket::{self, Deadline, Received, SPIN};
 use crate::shm::FileId;
 use crate::util::lock;
-use crate::wire::{self, Encoded, LaneArenas};
+use crate::wire::{self, Encoded};
 use crate::{Error, Result};
+
+#[path = "queue_lane_arenas.rs"]
+mod arenas;
+use arenas::{Borrowed, Taking};
 
 /// How long a consumer waits with nothing arriving before it ends the lane's current
 /// window early, so that what the window holds is given back (see `Ring::close_window`).
@@ -48,6 +52,9 @@ pub(super) struct LaneLocal {
     /// Arenas this queue's directory has shown this process: the only ones a lane message
     /// may name from this process's receive cache.
     known: HashSet<FileId>,
+    /// Send descriptions found in the directory under a tag, whose holds this process
+    /// borrows (see `arenas`).
+    borrowed: Vec<Borrowed>,
     /// The position of this process's latest lane message.
     last: Option<u64>,
     /// A lane position seen claimed and unpublished: (position, sequence word, since when).
@@ -101,7 +108,7 @@ impl Core {
             }
             let parked = self.control.with_directory(PARK_PATIENCE, || {
                 self.take_out_over(ring);
-                directory::park(self.rx.as_fd(), a.desc.as_fd(), window, a.id, a.name.as_deref())
+                directory::park(self.rx.as_fd(), a.desc.as_fd(), window, a.id, a.tag, a.name.as_deref())
             });
             if !matches!(parked, Ok(Ok(()))) {
                 ring.abandon(pos);
@@ -163,8 +170,9 @@ impl Core {
     }
 
     /// Ends the lane's window if the lane is idle, and takes out what is over: what the
-    /// lane held is given back.
+    /// lane held is given back, as are the descriptions this process borrowed from it.
     pub(super) fn close_idle_window(&self) {
+        drop(std::mem::take(&mut lock(&self.lane).borrowed));
         let ring = self.lane_ring();
         let _ = self.control.with_directory(Duration::ZERO, || {
             ring.close_window();
@@ -190,7 +198,7 @@ impl Core {
         self.control.release();
         let bytes =
             bytes.map_err(|n| Error::invalid(format!("a lane message of {n} bytes, more than a cell")))?;
-        wire::decode_lane(&bytes, self)
+        wire::decode_lane(&bytes, &Taking { core: self, window: Ring::window(pos) })
     }
 
     /// One look at the lane, then the socket (unless `sure` is false and no record is said
@@ -346,43 +354,6 @@ impl Core {
 /// Whether the lane's `head` has passed position `last`.
 fn taken(head: u64, last: u64) -> bool {
     head.wrapping_sub(last) as i64 > 0
-}
-
-impl LaneArenas for Core {
-    fn known(&self, id: FileId) -> bool {
-        lock(&self.lane).known.contains(&id)
-    }
-
-    fn fetch(&self, id: FileId) -> Result<OwnedFd> {
-        let is_it = |e: &directory::Entry| {
-            e.id == id
-                && (e.cut || e.fd.as_ref().is_some_and(|f| crate::shm::file_id(f.as_fd()).ok() == Some(id)))
-        };
-        let found = self
-            .control
-            .with_directory(FETCH_PATIENCE, || directory::find(self.tx.as_fd(), is_it))
-            .map_err(|e| match e {
-                Error::Timeout => Error::InvalidMessage(
-                    "the queue's lane directory stayed locked by another process: the arena a lane \
-                     message names cannot be looked up"
-                        .into(),
-                ),
-                e => e,
-            })??;
-        if found.as_ref().is_some_and(|e| e.cut) {
-            return Err(Error::InvalidMessage(
-                "the descriptor of an arena the message names could not be received: this process \
-                 has reached its descriptor limit (RLIMIT_NOFILE); raise it or hold fewer shared \
-                 segments"
-                    .into(),
-            ));
-        }
-        let fd = found.and_then(|e| e.fd).ok_or_else(|| {
-            Error::invalid("a lane message names an arena its queue's directory does not hold")
-        })?;
-        lock(&self.lane).known.insert(id);
-        Ok(fd)
-    }
 }
 
 #[cfg(test)]

@@ -56,9 +56,11 @@ pub(crate) fn decode<T: DeserializeOwned>(message: &[u8], fds: Vec<OwnedFd>, bor
 
 /// A message taken from a queue's lane back into a value: it carries no descriptor, and
 /// names each arena by identity, which must be one `lane` knows or finds in the queue's
-/// directory. This process takes its own holds at once.
+/// directory. The slots it brings are borrowed, as from a socket message, through the send
+/// description parked in the directory under the tag the message names (see
+/// `LaneArenas::via`); where there is none, this process takes its own holds at once.
 pub(crate) fn decode_lane<T: DeserializeOwned>(message: &[u8], lane: &dyn super::LaneArenas) -> Result<T> {
-    decode_from(message, Vec::new(), false, Some(lane))
+    decode_from(message, Vec::new(), true, Some(lane))
 }
 
 fn decode_from<T: DeserializeOwned>(
@@ -79,8 +81,9 @@ fn decode_from<T: DeserializeOwned>(
     }
     let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
     // The arenas' descriptors stay open until this process holds its own locks on the
-    // slots it keeps, or borrows their holds: until then they are what holds them.
-    let mut carried = Vec::with_capacity(header.segments.len());
+    // slots it keeps, or borrows their holds: until then they are what holds them. (A lane
+    // message's are parked in its queue's directory until this process is done with it.)
+    let mut carried: Vec<Option<Arc<OwnedFd>>> = Vec::with_capacity(header.segments.len());
     let mut arenas = Vec::with_capacity(header.segments.len());
     for d in &header.segments {
         match (d.id, lane) {
@@ -89,9 +92,15 @@ fn decode_from<T: DeserializeOwned>(
                     Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd))
                 })?;
                 arenas.push(resolve_arena(d, fd.as_fd(), None)?);
-                carried.push(Arc::new(fd));
+                carried.push(Some(Arc::new(fd)));
             }
-            (Some(id), Some(lane)) => arenas.push(lane_arena(d, id, lane)?),
+            (Some((dev, ino, tag)), Some(lane)) => {
+                let arena = lane_arena(d, (dev, ino), lane)?;
+                // Its creator holds no slot of it: nothing to borrow.
+                let borrows = tag != 0 && !arena.is_creator();
+                carried.push(if borrows { lane.via((dev, ino), tag) } else { None });
+                arenas.push(arena);
+            }
             (Some(_), None) => {
                 return Err(Error::invalid("a segment named by identity outside a queue's lane"))
             }
@@ -99,7 +108,7 @@ fn decode_from<T: DeserializeOwned>(
         }
     }
     let storages = resolve_storages(&header.storages, &arenas, &carried, borrow, &mut fds)?;
-    for fd in carried {
+    for fd in carried.into_iter().flatten() {
         // Closed now, later (after the reply), or when the slots that borrow it go.
         match Arc::try_unwrap(fd) {
             Ok(fd) if borrow => crate::arena::let_go(fd),
@@ -167,7 +176,7 @@ fn lane_arena(d: &SegmentDesc, id: FileId, lane: &dyn super::LaneArenas) -> Resu
 fn resolve_storages(
     descs: &[StorageDesc],
     arenas: &[Arc<Arena>],
-    carried: &[Arc<OwnedFd>],
+    carried: &[Option<Arc<OwnedFd>>],
     borrow: bool,
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
@@ -225,7 +234,7 @@ fn resolve_storages(
                 _ => slots.push(slot),
             }
         }
-        let via = carried.get(i).filter(|_| borrow);
+        let via = carried.get(i).and_then(Option::as_ref).filter(|_| borrow);
         let mut handles = Slot::hold(arena, &slots, via)?.into_iter();
         let mut cache = cache::cache();
         let mut last: Option<(u32, Storage)> = None;

@@ -122,12 +122,12 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     let mut segments = Vec::with_capacity(ctx.segments.len());
     let mut lane_arenas = Vec::new();
     for (arena, slots) in std::mem::take(&mut ctx.segments) {
-        let fd = arena.send_hold(&slots)?;
+        let (fd, tag) = arena.send_hold(&slots)?;
         let name = arena.segment().name().map(str::to_owned);
         if lane_ok {
             lane_ok = name.as_ref().is_none_or(|n| n.len() <= 255);
             let id = arena.segment().file_id();
-            lane_arenas.push(LaneArena { desc: fd.clone(), id, name: name.clone() });
+            lane_arenas.push(LaneArena { desc: fd.clone(), tag, id, name: name.clone() });
         }
         segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
     }
@@ -158,7 +158,7 @@ fn lane_form(
     let fds: Vec<u32> = header.segments.iter().map(|s| s.fd).collect();
     for (s, a) in header.segments.iter_mut().zip(&arenas) {
         s.fd = 0;
-        s.id = Some(a.id);
+        s.id = Some((a.id.0, a.id.1, a.tag));
     }
     let framed = header::frame(header, payload.len());
     header.nfds = nfds;

@@ -25,8 +25,10 @@ pub(super) struct SegmentDesc {
     pub(super) name: Option<String>,
     /// In a message that travels in a queue's lane, with no descriptor: the arena's
     /// identity (device, inode), which the receiver looks up among the arenas parked in
-    /// that queue's directory (see `channel::lane`). None in every other message.
-    pub(super) id: Option<(u64, u64)>,
+    /// that queue's directory (see `channel::lane`), and the tag of the send description
+    /// parked there that holds the message's slots (0: none to borrow). None in every other
+    /// message.
+    pub(super) id: Option<(u64, u64, u64)>,
 }
 
 #[derive(Serialize, Deserialize, Debug)]

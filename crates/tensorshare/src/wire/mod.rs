@@ -101,20 +101,25 @@ pub(crate) struct LaneForm {
     pub(crate) arenas: Vec<LaneArena>,
 }
 
-/// An arena a lane message names: the send description its slots are locked on, its
-/// identity and, for a named segment, its name.
+/// An arena a lane message names: the send description its slots are locked on, that
+/// description's tag (see `Arena::send_hold`), its identity and, for a named segment, its
+/// name.
 pub(crate) struct LaneArena {
     pub(crate) desc: Arc<OwnedFd>,
+    pub(crate) tag: u64,
     pub(crate) id: crate::shm::FileId,
     pub(crate) name: Option<String>,
 }
 
 /// How a lane message's receiver reaches the arenas it names: those the queue's directory
-/// has shown it (`known`), and a descriptor of one from there (`fetch`, which checks that
-/// the descriptor is that arena).
+/// has shown it (`known`), a descriptor of one from there (`fetch`, which checks that the
+/// descriptor is that arena), and the send description parked there under a tag, whose
+/// holds it borrows (`via`; None when it cannot have it, and it then locks the slots
+/// itself).
 pub(crate) trait LaneArenas {
     fn known(&self, id: crate::shm::FileId) -> bool;
     fn fetch(&self, id: crate::shm::FileId) -> crate::Result<OwnedFd>;
+    fn via(&self, id: crate::shm::FileId, tag: u64) -> Option<Arc<OwnedFd>>;
 }
 
 impl Encoded {

@@ -3,7 +3,8 @@
 //! A queue's socket pair carries records from the producers' end (`tx`) to the consumers'
 //! end (`rx`); nothing goes the other way, so `tx`'s own receive queue is free. The
 //! directory is that queue: a description is parked by sending it from `rx` (one entry: a
-//! record of its window, the arena's identity and name, with the descriptor attached), and
+//! record of its window, the arena's identity, the description's tag and the arena's name,
+//! with the descriptor attached), and
 //! lives in the socket's buffer, held by the kernel, whoever dies. Entries are looked up with
 //! `MSG_PEEK` at an offset (`SO_PEEK_OFF`), which leaves them in place, and taken out from
 //! the front once their window is over (see `Ring::first_open_window`), peeked at with the
@@ -28,9 +29,11 @@ use rustix::net::{
 use crate::shm::FileId;
 use crate::{Error, Result};
 
-const VERSION: u8 = 1;
-/// Room for one entry: version, window, device, inode, name length and a name.
-const MAX_ENTRY: usize = 1 + 8 + 8 + 8 + 1 + 255;
+const VERSION: u8 = 2;
+/// Bytes of an entry before its name: version, window, device, inode, tag, name length.
+const ENTRY_HEAD: usize = 1 + 8 + 8 + 8 + 8 + 1;
+/// Room for one entry: its head and a name.
+const MAX_ENTRY: usize = ENTRY_HEAD + 255;
 /// Most entries one look reads: a directory holds a few windows' worth per arena.
 const MAX_LOOK: usize = 4096;
 
@@ -38,20 +41,23 @@ const MAX_LOOK: usize = 4096;
 pub(crate) struct Entry {
     pub(crate) window: u64,
     pub(crate) id: FileId,
+    /// The description's tag (see `Arena::send_hold`; 0 for none).
+    pub(crate) tag: u64,
     pub(crate) fd: Option<OwnedFd>,
     /// Its descriptor could not be installed here (this process is at its descriptor
     /// limit).
     pub(crate) cut: bool,
 }
 
-fn encode(window: u64, id: FileId, name: Option<&str>) -> Result<Vec<u8>> {
+fn encode(window: u64, id: FileId, tag: u64, name: Option<&str>) -> Result<Vec<u8>> {
     let name = name.unwrap_or("").as_bytes();
     let n = u8::try_from(name.len()).map_err(|_| Error::invalid("a segment name over 255 bytes"))?;
-    let mut b = Vec::with_capacity(26 + name.len());
+    let mut b = Vec::with_capacity(ENTRY_HEAD + name.len());
     b.push(VERSION);
     b.extend_from_slice(&window.to_le_bytes());
     b.extend_from_slice(&id.0.to_le_bytes());
     b.extend_from_slice(&id.1.to_le_bytes());
+    b.extend_from_slice(&tag.to_le_bytes());
     b.push(n);
     b.extend_from_slice(name);
     Ok(b)
@@ -62,28 +68,29 @@ fn parse(b: &[u8], fd: Option<OwnedFd>) -> Option<Entry> {
     if b.first() != Some(&VERSION) {
         return None;
     }
-    let (window, dev, ino) = (word(1)?, word(9)?, word(17)?);
-    let n = *b.get(25)? as usize;
-    let name = b.get(26..26 + n)?;
-    if b.len() != 26 + n {
+    let (window, dev, ino, tag) = (word(1)?, word(9)?, word(17)?, word(25)?);
+    let n = *b.get(ENTRY_HEAD - 1)? as usize;
+    let name = b.get(ENTRY_HEAD..ENTRY_HEAD + n)?;
+    if b.len() != ENTRY_HEAD + n {
         return None;
     }
     // The name is checked against the descriptor when the arena is mapped (see
     // `Segment::from_named_fd`); here it need only be text.
     std::str::from_utf8(name).ok()?;
-    Some(Entry { window, id: (dev, ino), fd, cut: false })
+    Some(Entry { window, id: (dev, ino), tag, fd, cut: false })
 }
 
-/// Parks `desc`, a description of the arena `id` (named `name`), for `window`, by sending
-/// it from the consumers' end `rx` into the producers' end's receive queue.
+/// Parks `desc`, a description of the arena `id` (named `name`) tagged `tag`, for `window`,
+/// by sending it from the consumers' end `rx` into the producers' end's receive queue.
 pub(crate) fn park(
     rx: BorrowedFd<'_>,
     desc: BorrowedFd<'_>,
     window: u64,
     id: FileId,
+    tag: u64,
     name: Option<&str>,
 ) -> Result<()> {
-    let bytes = encode(window, id, name)?;
+    let bytes = encode(window, id, tag, name)?;
     let fds = [desc];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -236,7 +243,7 @@ mod tests {
             .collect();
         let ids: Vec<FileId> = files.iter().map(|f| crate::shm::file_id(f.as_fd()).unwrap()).collect();
         for (w, (f, id)) in files.iter().zip(&ids).enumerate() {
-            park(rx.as_fd(), f.as_fd(), w as u64, *id, Some("name")).unwrap();
+            park(rx.as_fd(), f.as_fd(), w as u64, *id, 7, Some("name")).unwrap();
         }
         // A record that is not an entry, from a peer.
         crate::channel::socket::send_record(rx.as_fd(), [b"junk", &[]], &[]).unwrap();
@@ -270,18 +277,18 @@ mod tests {
         let id = crate::shm::file_id(file.as_fd()).unwrap();
         let held = crate::shm::reopen(file.as_fd()).unwrap();
         flock(&held, FlockOperation::NonBlockingLockShared).unwrap();
-        park(rx.as_fd(), held.as_fd(), 0, id, None).unwrap();
+        park(rx.as_fd(), held.as_fd(), 0, id, 1, None).unwrap();
         drop(held);
         let other = crate::shm::reopen(file.as_fd()).unwrap();
         let exclusive = || flock(&other, FlockOperation::NonBlockingLockExclusive).is_ok();
         assert!(!exclusive(), "the parked description holds its lock");
         // Window 1's entry behind it, and a peek offset left past window 0's entry.
-        park(rx.as_fd(), file.as_fd(), 1, id, None).unwrap();
-        set_peek_offset(tx.as_fd(), 26).unwrap();
+        park(rx.as_fd(), file.as_fd(), 1, id, 3, None).unwrap();
+        set_peek_offset(tx.as_fd(), ENTRY_HEAD as i32).unwrap();
         assert_eq!(take_out_over(tx.as_fd(), 1, 1).unwrap(), 1);
         assert!(exclusive(), "the description taken out was closed");
         let left = find(tx.as_fd(), |_| true).unwrap().expect("window 1's entry stays");
-        assert_eq!(left.window, 1);
+        assert_eq!((left.window, left.tag), (1, 3));
         assert!(left.fd.is_some());
     }
 }

@@ -21,9 +21,12 @@
 //! (see `directory`). A parked description lives in that socket's buffer, whoever dies;
 //! it is taken out and closed only once every position of its window has been taken and
 //! done with, and a consumer is done with a position only after it holds the message's
-//! slots itself. So a message is held from before it is visible until its consumer holds
-//! it, whatever dies when. A consumer that does not know an arena a message names finds
-//! its descriptor in the directory too (a message can name only arenas parked there).
+//! slots itself: through a descriptor of the parked description, found in the directory
+//! under the tag the message names and kept for the messages that follow (see
+//! `queue_lane::arenas`), or, where it has none, with locks of its own. So a message is
+//! held from before it is visible until its consumer holds it, whatever dies when. A
+//! consumer that does not know an arena a message names finds its descriptor in the
+//! directory too (a message can name only arenas parked there).
 //!
 //! Death in the middle of a step: a producer that dies between claiming a position and
 //! publishing it would stop every consumer at that position; a consumer that finds a
