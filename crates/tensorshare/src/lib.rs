@@ -212,6 +212,15 @@ pub mod raw {
         crate::process::with_fork_server_record_locked(f)
     }
 
+    /// Whether this process holds `storage`'s slot through a description it borrowed (a
+    /// received message's, see `arena::borrow`) rather than a lock of its own.
+    pub fn borrowed(storage: &crate::Storage) -> bool {
+        match storage.shared() {
+            Some(crate::storage::Shared::Slot(slot)) => slot.arena().is_borrowed(slot.slot()),
+            _ => false,
+        }
+    }
+
     /// Whether two storages are slots of one arena.
     pub fn same_arena(a: &crate::Storage, b: &crate::Storage) -> bool {
         match (a.shared(), b.shared()) {

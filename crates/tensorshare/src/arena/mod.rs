@@ -258,12 +258,12 @@ impl Arena {
         self.pin.get().is_some()
     }
 
-    /// Whether this is an arena of one storage larger than any size class.
     /// Whether this process made the arena (and so never holds its slots: see above).
     pub(crate) fn is_creator(&self) -> bool {
         self.creator
     }
 
+    /// Whether this is an arena of one storage larger than any size class.
     pub(crate) fn is_large(&self) -> bool {
         self.nslots == 1 && self.slot_size > allocator::LARGEST_CLASS
     }
@@ -284,6 +284,12 @@ impl Arena {
     pub(crate) fn with_state_locked<R>(&self, f: impl FnOnce() -> R) -> R {
         let _st = self.state();
         f()
+    }
+
+    /// Whether this process holds `slot` through a borrowed description (`raw::borrowed`).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn is_borrowed(&self, slot: u32) -> bool {
+        self.state().borrowed.get(slot as usize).is_some_and(Option::is_some)
     }
 
     /// Address of a slot's first byte.

@@ -58,6 +58,15 @@ pub(crate) fn close_idle_lanes() {
     }
 }
 
+/// Lets go of the descriptions every queue of this process keeps from its lane's directory
+/// (see `queue_lane`).
+pub(crate) fn forget_borrowed() {
+    let cores: Vec<Arc<Core>> = lock(registry()).values().filter_map(Weak::upgrade).collect();
+    for core in cores {
+        core.forget_borrowed();
+    }
+}
+
 /// See `channel::flush_queues`.
 pub(crate) fn flush_all() {
     let cores: Vec<Arc<Core>> = lock(registry()).values().filter_map(Weak::upgrade).collect();

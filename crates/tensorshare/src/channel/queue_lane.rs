@@ -129,6 +129,12 @@ impl Core {
         true
     }
 
+    /// Lets go of the descriptions this process keeps from the lane's directory.
+    pub(super) fn forget_borrowed(&self) {
+        let kept = std::mem::take(&mut lock(&self.lane).borrowed);
+        drop(kept); // closed without the lock
+    }
+
     /// Someone is about to wait on the socket for values: from now on messages go through
     /// the socket, and a nudge (a record without a message) stands for what the lane holds
     /// already. A producer that publishes in the lane after this looked at it sees the
@@ -172,7 +178,7 @@ impl Core {
     /// Ends the lane's window if the lane is idle, and takes out what is over: what the
     /// lane held is given back, as are the descriptions this process borrowed from it.
     pub(super) fn close_idle_window(&self) {
-        drop(std::mem::take(&mut lock(&self.lane).borrowed));
+        self.forget_borrowed();
         let ring = self.lane_ring();
         let _ = self.control.with_directory(Duration::ZERO, || {
             ring.close_window();
@@ -194,6 +200,7 @@ impl Core {
             }
         }
         let _done = Done(self.lane_ring(), pos);
+        arenas::forget_old(&mut lock(&self.lane).borrowed, Ring::window(pos));
         self.control.count_taken();
         self.control.release();
         let bytes =
@@ -317,6 +324,8 @@ impl Core {
             }
             if !closed && since.elapsed() >= QUIET {
                 self.close_idle_window();
+                // Nothing this process borrowed from any lane is kept through a long wait.
+                super::queue_core::forget_borrowed();
                 closed = true;
             }
             if !waiting && !self.others() {

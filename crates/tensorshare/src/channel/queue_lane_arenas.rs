@@ -7,12 +7,13 @@
 //! receiver can take a descriptor of it from there and borrow it the same way. A sender's
 //! description carries up to `arena::SEND_BATCH` messages, so the receiver keeps what it
 //! found for the messages that follow: one look at the directory instead of one lock per
-//! message. It keeps one description per arena, the latest a message named (a sender has
-//! one at a time, and retires it for the next), and gives it back when a message names
-//! another, after two windows without a message naming it, when a receive has waited
-//! `QUIET`, at `trim_arenas` and when the queue is dropped. So it holds a sender's slots
-//! little longer than the directory does, as a socket message's receiver holds its
-//! description's until its next receive.
+//! message. It keeps at most `PER_ARENA` descriptions of an arena, the latest messages
+//! named (a sender has one at a time, and retires it for the next), and `MAX_BORROWED` in
+//! all, and lets one go once a lane message two windows later comes without naming it,
+//! when a receive of any queue of the process has waited `QUIET`, at `trim_arenas` and when
+//! the queue is dropped. So it holds a sender's slots about as long as the directory does
+//! while messages flow, and a little longer than a socket message's receiver, which holds
+//! its description until its next receive or wait, when they stop.
 //!
 //! A tag is only a name. A peer can park any description of an arena under any tag: the
 //! one found is checked to be the arena's, and at worst holds other slots of it than the
@@ -31,12 +32,12 @@ use crate::util::lock;
 use crate::wire::LaneArenas;
 use crate::{Error, Result};
 
-/// How long a receiver waits for the directory's lock to look for a tag before it locks
-/// the message's slots itself instead.
-const BORROW_PATIENCE: Duration = Duration::from_millis(5);
-/// Most arenas' tags a process keeps: a peer naming a new arena in every message makes it
-/// look each up once, and keep no more than this.
+/// Most descriptions a process keeps per queue: a peer naming a new tag in every message
+/// makes it look each up once, and keep no more than this.
 const MAX_BORROWED: usize = 64;
+/// Most descriptions of one arena it keeps: its sender's current one and the one before (or
+/// those of two processes sending its slots under descriptions of their own).
+const PER_ARENA: usize = 2;
 
 /// A tag looked up in the directory: the description found under it, or None when there
 /// was none (not looked up again while kept).
@@ -93,34 +94,40 @@ impl LaneArenas for Taking<'_> {
 
     fn via(&self, id: FileId, tag: u64) -> Option<Arc<OwnedFd>> {
         let window = self.window;
-        {
-            let mut l = lock(&self.core.lane);
-            // Those no message has named for two windows go (a window of a peer's may be
-            // anywhere: the arithmetic saturates).
-            l.borrowed.retain(|b| b.window.saturating_add(2) > window);
-            if let Some(b) = l.borrowed.iter_mut().find(|b| b.id == id && b.tag == tag) {
-                b.window = b.window.max(window);
-                return b.desc.clone();
-            }
+        if let Some(b) = lock(&self.core.lane).borrowed.iter_mut().find(|b| b.id == id && b.tag == tag) {
+            b.window = b.window.max(window);
+            return b.desc.clone();
         }
-        // Looked up without the lane's lock, which producers take before the directory's.
+        // Looked up without the lane's lock, which producers take before the directory's, and
+        // only if the directory's lock is free now: where another process holds it, one lock
+        // of the slots costs less than waiting (and the next message looks again).
         let core = self.core;
         let is_it = |e: &directory::Entry| {
             e.id == id
                 && e.tag == tag
                 && e.fd.as_ref().is_some_and(|f| crate::shm::file_id(f.as_fd()).ok() == Some(id))
         };
-        let found = core.control.with_directory(BORROW_PATIENCE, || directory::find(core.tx.as_fd(), is_it));
+        let found = core.control.with_directory(Duration::ZERO, || directory::find(core.tx.as_fd(), is_it));
         // Not kept when the look failed (it may succeed next time); kept when it found nothing.
         let Ok(Ok(found)) = found else { return None };
         let desc = found.and_then(|e| e.fd).map(Arc::new);
         let mut l = lock(&core.lane);
-        // The arena's earlier description, retired by its sender, goes.
-        l.borrowed.retain(|b| b.id != id);
+        // The arena's oldest description goes (its sender has retired it), and the oldest of
+        // all past the bound.
+        if l.borrowed.iter().filter(|b| b.id == id).count() >= PER_ARENA {
+            let oldest = l.borrowed.iter().position(|b| b.id == id).expect("counted above");
+            l.borrowed.remove(oldest);
+        }
         if l.borrowed.len() >= MAX_BORROWED {
             l.borrowed.remove(0);
         }
         l.borrowed.push(Borrowed { id, tag, desc: desc.clone(), window });
         desc
     }
+}
+
+/// Before a lane message of `window` is taken: the descriptions no lane message has named
+/// for two windows go (a window of a peer's may be anywhere: the arithmetic saturates).
+pub(super) fn forget_old(borrowed: &mut Vec<Borrowed>, window: u64) {
+    borrowed.retain(|b| b.window.saturating_add(2) > window);
 }
