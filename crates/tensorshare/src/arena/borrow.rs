@@ -12,9 +12,9 @@
 //!   borrowed one go. It settles at its next receive, whenever it waits for a message (time
 //!   it would spend idle), and when a value arrives any other way than through a queue or a
 //!   pipe (a worker's arguments, a pool's task), so a slot borrows a description for one
-//!   message at most and never while its holder waits. (A queue's lane keeps the latest
-//!   description it borrowed of each arena for the lane messages that follow, for about
-//!   two windows: see `channel::queue_lane::arenas`.)
+//!   message at most and never while its holder waits. (A queue's lane keeps the
+//!   descriptions it borrowed, two per arena at most, for the lane messages that follow,
+//!   for about two windows: see `channel::queue_lane::arenas`.)
 //!
 //! A borrowed hold is never less than a lock of one's own while both processes are honest:
 //! nobody unlocks a send description. A peer that has the same description (another
