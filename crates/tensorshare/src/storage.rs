@@ -3,13 +3,14 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
 mod pinned;
 mod volatile;
 
 use crate::arena::{self, Slot};
+use crate::util::Lazy;
 use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
 
 /// Alignment of every storage's first byte.
@@ -81,9 +82,20 @@ pub(crate) struct Inner {
     /// Present for storages born private. Kept after `share_memory` when other handles
     /// might still be reading it, and freed with the storage.
     private: Option<PrivateBuf>,
-    shared: OnceLock<Shared>,
+    /// The shared memory of a storage made in it (or received).
+    born: Option<Shared>,
+    /// The shared memory a private storage moved into (`share_memory`), published at once:
+    /// a `OnceLock` would make a child forked while another thread sets it wait for good
+    /// on its next `share_memory` (see `util::lazy`).
+    moved: Lazy<Shared>,
     /// Whether the receive cache knows this storage (set on its first send).
     pub(crate) cached: std::sync::atomic::AtomicBool,
+}
+
+impl Inner {
+    fn shared(&self) -> Option<&Shared> {
+        self.born.as_ref().or_else(|| self.moved.get())
+    }
 }
 
 // SAFETY: the raw pointers in `PrivateBuf` and the arena mapping are plain memory owned by
@@ -129,10 +141,7 @@ pub struct Storage {
 
 impl std::fmt::Debug for Storage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Storage")
-            .field("len", &self.inner.len)
-            .field("shared", &self.inner.shared.get())
-            .finish()
+        f.debug_struct("Storage").field("len", &self.inner.len).field("shared", &self.inner.shared()).finish()
     }
 }
 
@@ -153,7 +162,8 @@ impl Storage {
             inner: Arc::new(Inner {
                 len,
                 private: Some(PrivateBuf::zeroed(len)?),
-                shared: OnceLock::new(),
+                born: None,
+                moved: Lazy::new(),
                 cached: Default::default(),
             }),
         })
@@ -192,9 +202,15 @@ impl Storage {
     }
 
     pub(crate) fn from_shared(len: usize, shared: Shared) -> Storage {
-        let cell = OnceLock::new();
-        let _ = cell.set(shared);
-        Storage { inner: Arc::new(Inner { len, private: None, shared: cell, cached: Default::default() }) }
+        Storage {
+            inner: Arc::new(Inner {
+                len,
+                private: None,
+                born: Some(shared),
+                moved: Lazy::new(),
+                cached: Default::default(),
+            }),
+        }
     }
 
     /// Length in bytes.
@@ -209,12 +225,12 @@ impl Storage {
 
     /// Whether the bytes live in shared memory.
     pub fn is_shared(&self) -> bool {
-        self.inner.shared.get().is_some()
+        self.inner.shared().is_some()
     }
 
     /// The strategy of a shared storage (None for a private or a device storage).
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
-        match self.inner.shared.get()? {
+        match self.inner.shared()? {
             Shared::Empty(s) => Some(*s),
             Shared::Slot(b) => Some(if b.arena().segment().name().is_some() {
                 SharingStrategy::FileSystem
@@ -228,7 +244,7 @@ impl Storage {
 
     /// Where the bytes are: the host, or the CUDA device of a device storage.
     pub fn device(&self) -> crate::Device {
-        match self.inner.shared.get() {
+        match self.inner.shared() {
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => crate::Device::Cuda(a.device),
             _ => crate::Device::Cpu,
@@ -260,7 +276,7 @@ impl Storage {
             unsafe { crate::atomic_bytes::copy(self.as_ptr(), b.as_mut_ptr(), self.len()) };
         }
         // Another thread may have shared it meanwhile; then ours is dropped and freed.
-        let _ = self.inner.shared.set(shared);
+        let _ = self.inner.moved.set(shared);
         Ok(())
     }
 
@@ -277,7 +293,7 @@ impl Storage {
     /// takes `&self`, as `UnsafeCell::get` does: what may be written when is the memory
     /// model's business, not the borrow's.
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        match self.inner.shared.get() {
+        match self.inner.shared() {
             Some(Shared::Slot(b)) => b.as_mut_ptr(),
             #[cfg(feature = "cuda")]
             Some(Shared::Device(a)) => a.ptr as *mut u8,
@@ -321,7 +337,7 @@ impl Storage {
     /// cannot be allocated.
     pub fn try_to_bytes(&self) -> Result<Vec<u8>> {
         #[cfg(feature = "cuda")]
-        if let Some(Shared::Device(a)) = self.inner.shared.get() {
+        if let Some(Shared::Device(a)) = self.inner.shared() {
             return crate::cuda::storage_bytes(a, self.len());
         }
         let mut out = Vec::new();
@@ -336,14 +352,14 @@ impl Storage {
 
     /// The file name of the named segment holding a file_system storage.
     pub fn segment_name(&self) -> Option<String> {
-        match self.inner.shared.get()? {
+        match self.inner.shared()? {
             Shared::Slot(b) => b.arena().segment().name().map(str::to_owned),
             _ => None,
         }
     }
 
     pub(crate) fn shared(&self) -> Option<&Shared> {
-        self.inner.shared.get()
+        self.inner.shared()
     }
 
     pub(crate) fn from_inner(inner: Arc<Inner>) -> Storage {

@@ -8,7 +8,7 @@
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use mpi::environment::Universe;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -17,6 +17,7 @@ use mpi::Threading;
 use super::links::{self, NodeLinks};
 use super::topology::{self, Topology};
 use super::{rendezvous, DistError};
+use crate::util::Lazy;
 use crate::{Error, Result};
 
 /// Where this process stands: never initialised, running, ended, or failed to start.
@@ -28,7 +29,7 @@ const FAILED: u8 = 3;
 /// The process that initialised MPI (a fork of it is no rank).
 static PID: AtomicU32 = AtomicU32::new(0);
 /// The topology, readable from any thread of the rank.
-static TOPOLOGY: OnceLock<Arc<Topology>> = OnceLock::new();
+static TOPOLOGY: Lazy<Arc<Topology>> = Lazy::new();
 
 thread_local! {
     static STATE: RefCell<Option<State>> = const { RefCell::new(None) };

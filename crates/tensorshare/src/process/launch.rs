@@ -173,8 +173,8 @@ pub(crate) fn exec_worker(var: &str, fd: OwnedFd, invitation: &Invitation) -> Re
 }
 
 /// The program and arguments helpers are started with, when not this binary.
-static HELPER_COMMAND: std::sync::OnceLock<(std::path::PathBuf, Vec<std::ffi::OsString>)> =
-    std::sync::OnceLock::new();
+static HELPER_COMMAND: crate::util::Lazy<(std::path::PathBuf, Vec<std::ffi::OsString>)> =
+    crate::util::Lazy::new();
 
 /// Has tensorshare start its helper processes (the shared-memory cleaner of the
 /// `file_system` strategy, and [`StartMethod::Spawn`] workers) as `program` with `args`,

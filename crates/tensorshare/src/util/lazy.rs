@@ -37,6 +37,19 @@ impl<T> Lazy<T> {
         unsafe { p.as_ref() }
     }
 
+    /// Publishes `value` unless one has been published: `Err(value)` back if so. One
+    /// atomic exchange, so a child forked meanwhile finds the value there or not, never half
+    /// made.
+    pub(crate) fn set(&self, value: T) -> Result<(), T> {
+        let made = Box::into_raw(Box::new(value));
+        match self.value.compare_exchange(std::ptr::null_mut(), made, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            // SAFETY: `made` came from `Box::into_raw` above and was never published: this is
+            // its only owner.
+            Err(_) => Err(*unsafe { Box::from_raw(made) }),
+        }
+    }
+
     /// The value, made by `make` if none has been published. `make` may run in several
     /// threads at once; the value of the first to finish is kept.
     pub(crate) fn get_or_make(&self, make: impl FnOnce() -> T) -> &T {
@@ -98,6 +111,31 @@ mod tests {
         });
         assert!(got.iter().all(|&p| p == got[0]), "threads got different values: {got:?}");
         assert_eq!(lazy.get().map(|v| v.len()), Some(1));
+    }
+
+    #[test]
+    fn of_threads_that_race_to_set_a_value_one_wins_and_the_others_get_theirs_back() {
+        let lazy: Lazy<usize> = Lazy::new();
+        let barrier = std::sync::Barrier::new(8);
+        let lost: Vec<Option<usize>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let (lazy, barrier) = (&lazy, &barrier);
+                    s.spawn(move || {
+                        barrier.wait();
+                        lazy.set(i).err()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let won = *lazy.get().expect("one value published");
+        let mut back: Vec<usize> = lost.iter().flatten().copied().collect();
+        assert_eq!(back.len(), 7, "exactly one thread published: {lost:?}");
+        back.push(won);
+        back.sort_unstable();
+        assert_eq!(back, (0..8).collect::<Vec<_>>(), "every value is either kept or handed back");
+        assert_eq!(lazy.set(99), Err(99), "a published value stays");
     }
 
     /// A `OnceLock` fails this: the child waits for good for the thread making the value,
