@@ -1,67 +1,20 @@
 //! [`Storage`]: the reference-counted bytes under tensors, private (heap) or shared (a
 //! block of an arena in shared memory).
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
 mod pinned;
+mod private;
 mod volatile;
 
 use crate::arena::{self, Slot};
 use crate::util::Lazy;
 use crate::{get_sharing_strategy, Error, Result, SharingStrategy};
+use private::{dangling, PrivateBuf};
 
 /// Alignment of every storage's first byte.
 pub const ALIGN: usize = 64;
-
-/// A type with the storages' alignment: its dangling pointer is where empty storages point.
-#[repr(C, align(64))]
-struct Chunk([u8; ALIGN]);
-
-/// The address of every empty storage: never read or written, but aligned like any other
-/// storage, so that empty slices and views of any element type may start there.
-fn dangling() -> NonNull<u8> {
-    NonNull::<Chunk>::dangling().cast()
-}
-
-/// Heap bytes, 64-byte aligned, a whole number of 64-byte chunks, zeroed at creation.
-struct PrivateBuf {
-    ptr: NonNull<u8>,
-    /// The allocation's layout; size 0 for an empty buffer, which allocates nothing.
-    layout: Layout,
-}
-
-impl PrivateBuf {
-    fn zeroed(len: usize) -> Result<PrivateBuf> {
-        let too_large = || {
-            Error::invalid_argument(
-                "storage size",
-                format!("a storage of {len} bytes is too large to allocate"),
-            )
-        };
-        let size = len.checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
-        let layout = Layout::from_size_align(size, ALIGN).map_err(|_| too_large())?;
-        if size == 0 {
-            // Nothing to allocate: a dangling, well-aligned pointer is enough for no bytes.
-            return Ok(PrivateBuf { ptr: dangling(), layout });
-        }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(Error::AllocationFailed { bytes: size })?;
-        Ok(PrivateBuf { ptr, layout })
-    }
-}
-
-impl Drop for PrivateBuf {
-    fn drop(&mut self) {
-        if self.layout.size() != 0 {
-            // SAFETY: ptr was allocated in `zeroed` with this layout, and nobody else frees it.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-        }
-    }
-}
 
 /// Where shared bytes live.
 #[derive(Debug)]
