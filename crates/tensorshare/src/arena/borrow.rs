@@ -66,33 +66,55 @@ fn note(flag: &AtomicBool, arena: &Arc<Arena>, list: impl FnOnce(&mut Deferred) 
     flag.store(true, Ordering::Release);
 }
 
-/// Takes a list of work for later, if its flag is raised: the arenas still alive.
-fn take(flag: &AtomicBool, list: impl FnOnce(&mut Deferred) -> &mut Vec<Weak<Arena>>) -> Vec<Arc<Arena>> {
+/// Does `f` for each arena of a list of work for later, if its flag is raised: the arenas
+/// still alive, as many as the list had (work put back meanwhile waits for the next time).
+/// They are taken a few at a time, so no list is made for them.
+fn each(flag: &AtomicBool, list: fn(&mut Deferred) -> &mut Vec<Weak<Arena>>, mut f: impl FnMut(Arc<Arena>)) {
     if !flag.load(Ordering::Acquire) {
-        return Vec::new();
+        return;
     }
-    let taken = {
-        let mut d = lock(deferred());
-        flag.store(false, Ordering::Release);
-        std::mem::take(list(&mut d))
-    };
-    taken.iter().filter_map(Weak::upgrade).collect()
+    const AT_ONCE: usize = 4;
+    let mut left = usize::MAX;
+    while left > 0 {
+        let mut taken: [Option<Weak<Arena>>; AT_ONCE] = Default::default();
+        {
+            let mut d = lock(deferred());
+            let l = list(&mut d);
+            if left == usize::MAX {
+                flag.store(false, Ordering::Release);
+                left = l.len();
+            }
+            // From the front: what is put back goes after what was there.
+            let n = left.min(AT_ONCE).min(l.len());
+            for (t, w) in taken.iter_mut().zip(l.drain(..n)) {
+                *t = Some(w);
+            }
+            left = if n == 0 { 0 } else { left - n };
+        }
+        for arena in taken.into_iter().flatten().filter_map(|w| w.upgrade()) {
+            f(arena);
+        }
+    }
 }
 
 /// What this process does when it would otherwise wait for a message: [`settle`], and
 /// open spare descriptions for arenas that will need a new send description.
 pub(crate) fn idle() {
     settle();
-    for arena in take(&SPARES, |d| &mut d.spares) {
-        if !arena.is_own() {
-            continue;
-        }
-        let mut st = arena.state();
-        if st.spare.is_none() {
-            // Failing is harmless: the next send description is opened when needed.
-            st.spare = arena.seg.reopen().ok();
-        }
-    }
+    each(
+        &SPARES,
+        |d| &mut d.spares,
+        |arena| {
+            if !arena.is_own() {
+                return;
+            }
+            let mut st = arena.state();
+            if st.spare.is_none() {
+                // Failing is harmless: the next send description is opened when needed.
+                st.spare = arena.seg.reopen().ok();
+            }
+        },
+    );
 }
 
 static DEFERRED: crate::util::Lazy<Mutex<Deferred>> = crate::util::Lazy::new();
@@ -141,13 +163,17 @@ pub(crate) fn close_let_go() {
 /// (two atomic loads) when there is nothing to do.
 pub(crate) fn settle() {
     close_let_go();
-    for arena in take(&BORROWED, |d| &mut d.borrowers) {
-        if !arena.settle() {
-            // A lock failed (the kernel ran short): the borrowed holds stay, and so does the
-            // work.
-            note_borrower(&arena);
-        }
-    }
+    each(
+        &BORROWED,
+        |d| &mut d.borrowers,
+        |arena| {
+            if !arena.settle() {
+                // A lock failed (the kernel ran short): the borrowed holds stay, and so does the
+                // work.
+                note_borrower(&arena);
+            }
+        },
+    );
 }
 
 impl Arena {
@@ -200,7 +226,7 @@ mod tests {
     #[test]
     fn a_borrowed_hold_goes_on_with_the_message_and_settles_into_a_lock_of_ones_own() {
         let (creator, message, holder) = sent();
-        let slots = Slot::hold(&holder, &[1], Some(&message)).unwrap();
+        let slots: Vec<Slot> = Slot::hold(&holder, &[1], Some(&message)).unwrap().collect();
         assert!(Arc::ptr_eq(&holder.send_hold(&[1]).unwrap().0, &message), "passed on as it came");
         assert!(holder.settle());
         assert_eq!(Arc::strong_count(&message), 1, "settled: the message's description is let go");
@@ -214,7 +240,7 @@ mod tests {
     #[test]
     fn a_borrowed_hold_dropped_before_settling_leaves_no_lock() {
         let (creator, message, holder) = sent();
-        let slots = Slot::hold(&holder, &[1], Some(&message)).unwrap();
+        let slots: Vec<Slot> = Slot::hold(&holder, &[1], Some(&message)).unwrap().collect();
         drop(slots);
         assert_eq!(Arc::strong_count(&message), 1, "the message's description is let go");
         drop(message);

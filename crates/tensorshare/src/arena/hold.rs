@@ -29,30 +29,41 @@ impl Arena {
         let mut st = self.state();
         let mut borrowed = false;
         if !self.creator {
-            // Slots without a handle here yet, each once (a message may name one twice).
-            let mut first: Vec<u32> = slots.iter().copied().filter(|&s| st.local[s as usize] == 0).collect();
-            first.sort_unstable();
-            first.dedup();
-            let mut need: Vec<u32> = Vec::new();
-            for slot in first {
-                if let Some(p) = st.pending.iter().position(|&q| q == slot) {
-                    st.pending.swap_remove(p);
-                } else {
-                    need.push(slot);
-                }
-            }
+            // Each slot once (a message may name one twice); a caller's slots most often come
+            // sorted and distinct, which needs no copy.
+            let copy;
+            let distinct: &[u32] = if slots.windows(2).all(|w| w[0] < w[1]) {
+                slots
+            } else {
+                let mut v = slots.to_vec();
+                v.sort_unstable();
+                v.dedup();
+                copy = v;
+                &copy
+            };
+            let st = &mut *st;
+            // A slot's first handle here needs a hold, unless the slot waits to be given back:
+            // the lock kept for it serves.
+            let needs = |local: &[u32], pending: &mut Vec<u32>, slot: u32| {
+                local[slot as usize] == 0 && !take_pending(pending, slot)
+            };
             match via {
-                Some(fd) if !need.is_empty() => {
-                    if st.borrowed.is_empty() {
-                        st.borrowed = vec![None; self.nslots as usize];
-                    }
-                    for &slot in &need {
+                Some(fd) => {
+                    for &slot in distinct {
+                        if !needs(&st.local, &mut st.pending, slot) {
+                            continue;
+                        }
+                        if st.borrowed.is_empty() {
+                            st.borrowed = vec![None; self.nslots as usize];
+                        }
                         st.borrowed[slot as usize] = Some(fd.clone());
+                        st.nborrowed += 1;
+                        borrowed = true;
                     }
-                    st.nborrowed += need.len();
-                    borrowed = true;
                 }
-                _ => {
+                None => {
+                    let mut need: Vec<u32> =
+                        distinct.iter().copied().filter(|&s| needs(&st.local, &mut st.pending, s)).collect();
                     for (start, len) in runs(&mut need) {
                         lock_range(self.seg.fd(), start, len, libc::F_RDLCK)
                             .map_err(|e| Error::io("locking received slots (F_OFD_SETLK)", e))?;
@@ -125,6 +136,17 @@ impl Arena {
     }
 }
 
+/// Takes `slot` out of `pending` (slots waiting to be given back); whether it was there.
+fn take_pending(pending: &mut Vec<u32>, slot: u32) -> bool {
+    match pending.iter().position(|&q| q == slot) {
+        Some(p) => {
+            pending.swap_remove(p);
+            true
+        }
+        None => false,
+    }
+}
+
 /// One holder's claim on a slot: the storage's memory. Dropping it gives the claim back.
 pub(crate) struct Slot {
     pub(super) arena: Arc<Arena>,
@@ -140,11 +162,15 @@ impl std::fmt::Debug for Slot {
 impl Slot {
     /// Handles of `slots` of a received arena, in order: this process now holds them, with
     /// locks of its own, or through `via`, the message's description (see `borrow`).
-    pub(crate) fn hold(arena: &Arc<Arena>, slots: &[u32], via: Option<&Arc<OwnedFd>>) -> Result<Vec<Slot>> {
+    pub(crate) fn hold<'a>(
+        arena: &'a Arc<Arena>,
+        slots: &'a [u32],
+        via: Option<&Arc<OwnedFd>>,
+    ) -> Result<Held<'a>> {
         if arena.hold(slots, via)? {
             borrow::note_borrower(arena);
         }
-        Ok(slots.iter().map(|&slot| Slot { arena: arena.clone(), slot }).collect())
+        Ok(Held { arena, slots: slots.iter() })
     }
 
     pub(crate) fn arena(&self) -> &Arc<Arena> {
@@ -162,6 +188,29 @@ impl Slot {
     #[cfg(test)]
     pub(crate) fn capacity(&self) -> usize {
         self.arena.slot_size
+    }
+}
+
+/// The handles [`Slot::hold`] took, handed out one by one (no list is made for them); those
+/// not taken are given back when it goes.
+pub(crate) struct Held<'a> {
+    arena: &'a Arc<Arena>,
+    slots: std::slice::Iter<'a, u32>,
+}
+
+impl Iterator for Held<'_> {
+    type Item = Slot;
+
+    fn next(&mut self) -> Option<Slot> {
+        self.slots.next().map(|&slot| Slot { arena: self.arena.clone(), slot })
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        for slot in self.by_ref() {
+            drop(slot);
+        }
     }
 }
 

@@ -12,6 +12,25 @@ use crate::shm::{FileId, Segment};
 use crate::storage::Shared;
 use crate::{Error, Result, Storage};
 
+/// The lists decoding a message needs, kept between messages on this thread (emptied): a
+/// message of a tensor or two would otherwise allocate each and free it.
+#[derive(Default)]
+struct Lists {
+    /// Per segment of the message: its arena, and the description that holds its slots.
+    arenas: Vec<Arc<Arena>>,
+    carried: Vec<Option<Arc<OwnedFd>>>,
+    /// Slots not held here yet: (segment, slot, length, entry naming it).
+    new: Vec<(u32, u32, usize, usize)>,
+    slots: Vec<u32>,
+}
+
+thread_local! {
+    static LISTS: std::cell::RefCell<Lists> = std::cell::RefCell::default();
+}
+
+/// Most entries a kept list may have room for.
+const LISTS_ROOM: usize = 1024;
+
 pub(super) struct DecodeCtx {
     storages: Vec<Storage>,
     fds: Vec<Option<OwnedFd>>,
@@ -83,8 +102,8 @@ fn decode_from<T: DeserializeOwned>(
     // The arenas' descriptors stay open until this process holds its own locks on the
     // slots it keeps, or borrows their holds: until then they are what holds them. (A lane
     // message's are parked in its queue's directory until this process is done with it.)
-    let mut carried: Vec<Option<Arc<OwnedFd>>> = Vec::with_capacity(header.segments.len());
-    let mut arenas = Vec::with_capacity(header.segments.len());
+    let mut lists = LISTS.with(|l| l.take());
+    let Lists { arenas, carried, .. } = &mut lists;
     for d in &header.segments {
         match (d.id, lane) {
             (None, None) => {
@@ -107,13 +126,22 @@ fn decode_from<T: DeserializeOwned>(
             (None, Some(_)) => return Err(Error::invalid("a lane message with a segment descriptor")),
         }
     }
-    let storages = resolve_storages(&header.storages, &arenas, &carried, borrow, &mut fds)?;
-    for fd in carried.into_iter().flatten() {
+    let storages = resolve_storages(&header.storages, &mut lists, borrow, &mut fds)?;
+    for fd in lists.carried.drain(..).flatten() {
         // Closed now, later (after the reply), or when the slots that borrow it go.
         match Arc::try_unwrap(fd) {
             Ok(fd) if borrow => crate::arena::let_go(fd),
             _ => {}
         }
+    }
+    lists.arenas.clear();
+    lists.new.clear();
+    lists.slots.clear();
+    if [lists.arenas.capacity(), lists.carried.capacity(), lists.new.capacity(), lists.slots.capacity()]
+        .into_iter()
+        .all(|c| c <= LISTS_ROOM)
+    {
+        LISTS.with(|l| *l.borrow_mut() = lists);
     }
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
     struct Reset;
@@ -175,15 +203,15 @@ fn lane_arena(d: &SegmentDesc, id: FileId, lane: &dyn super::LaneArenas) -> Resu
 /// step each (see `Arena::hold`).
 fn resolve_storages(
     descs: &[StorageDesc],
-    arenas: &[Arc<Arena>],
-    carried: &[Option<Arc<OwnedFd>>],
+    lists: &mut Lists,
     borrow: bool,
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
+    let Lists { arenas, carried, new, slots } = lists;
     let mut out: Vec<Option<Storage>> = Vec::with_capacity(descs.len());
-    // Slots this process does not hold yet, per segment: (slot, length, entry naming it),
-    // one per entry (a message may name a slot twice).
-    let mut new: Vec<Vec<(u32, usize, usize)>> = vec![Vec::new(); arenas.len()];
+    // Slots this process does not hold yet, one per entry (a message may name a slot
+    // twice).
+    new.clear();
     // Send events to wait on, once each (a message has one per device).
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut events = Vec::new();
@@ -202,7 +230,7 @@ fn resolve_storages(
                     match cache.storage(arena.segment().file_id(), *slot) {
                         Some(inner) => Some(existing(Storage::from_inner(inner), len)?),
                         None => {
-                            new[*segment as usize].push((*slot, len, i));
+                            new.push((*segment, *slot, len, i));
                             None
                         }
                     }
@@ -217,16 +245,16 @@ fn resolve_storages(
             out[i] = Some(resolve_device(d, fds, &mut events)?);
         }
     }
-    for (i, (arena, mut pending)) in arenas.iter().zip(new).enumerate() {
-        if pending.is_empty() {
-            continue;
-        }
-        // The entries naming one slot side by side; each slot once, with one length.
-        pending.sort_unstable_by_key(|&(slot, _, at)| (slot, at));
-        let mut slots: Vec<u32> = Vec::with_capacity(pending.len());
-        for (k, &(slot, len, _)) in pending.iter().enumerate() {
+    // By segment, the entries naming one slot side by side.
+    new.sort_unstable_by_key(|&(segment, slot, _, at)| (segment, slot, at));
+    for pending in new.chunk_by(|a, b| a.0 == b.0) {
+        let i = pending[0].0 as usize;
+        let arena = &arenas[i];
+        // Each slot once, with one length.
+        slots.clear();
+        for (k, &(_, slot, len, _)) in pending.iter().enumerate() {
             match k.checked_sub(1).map(|p| pending[p]) {
-                Some((prev, prev_len, _)) if prev == slot => {
+                Some((_, prev, prev_len, _)) if prev == slot => {
                     if prev_len != len {
                         return Err(Error::invalid("one slot named with two lengths"));
                     }
@@ -235,10 +263,10 @@ fn resolve_storages(
             }
         }
         let via = carried.get(i).and_then(Option::as_ref).filter(|_| borrow);
-        let mut handles = Slot::hold(arena, &slots, via)?.into_iter();
+        let mut handles = Slot::hold(arena, slots, via)?;
         let mut cache = cache::cache();
         let mut last: Option<(u32, Storage)> = None;
-        for (slot, len, at) in pending {
+        for &(_, slot, len, at) in pending {
             let storage = match &last {
                 Some((s, storage)) if *s == slot => storage.clone(),
                 _ => {

@@ -17,9 +17,11 @@ use crate::{Error, Result, Storage};
 pub(super) struct EncodeCtx {
     fds: Vec<FdSource>,
     fd_index: FastMap<i32, u32>,
-    /// Arenas named so far, in table order, with the slots the message names in each.
-    segments: Vec<(Arc<Arena>, Vec<u32>)>,
+    /// Arenas named so far, in table order.
+    arenas: Vec<Arc<Arena>>,
     segment_index: FastMap<*const Arena, u32>,
+    /// The slots the message names: (index in `arenas`, slot).
+    named: Vec<(u32, u32)>,
     storages: Vec<StorageDesc>,
     storage_index: FastMap<*const crate::storage::Inner, u32>,
     /// The send event recorded for this message, per device: one record covers every
@@ -28,42 +30,76 @@ pub(super) struct EncodeCtx {
     events: std::collections::HashMap<u32, crate::cuda::IpcBytes>,
 }
 
-/// An `EncodeCtx`'s index maps, emptied.
-type Maps = (FastMap<i32, u32>, FastMap<*const Arena, u32>, FastMap<*const crate::storage::Inner, u32>);
+/// What an `EncodeCtx` keeps for the next message on its thread, emptied: its index maps
+/// and its lists of arenas and slots.
+#[derive(Default)]
+struct Spare {
+    fd_index: FastMap<i32, u32>,
+    segment_index: FastMap<*const Arena, u32>,
+    storage_index: FastMap<*const crate::storage::Inner, u32>,
+    arenas: Vec<Arc<Arena>>,
+    named: Vec<(u32, u32)>,
+    slots: Vec<u32>,
+}
 
-/// Most entries a spare map may have room for: a message of a batch of small tensors reuses
-/// its maps (a map of this many entries is a few pages), and one of far more storages does
-/// not leave its large maps to this thread for good.
+/// Most entries a spare map or list may have room for: a message of a batch of small
+/// tensors reuses them (a map of this many entries is a few pages), and one of far more
+/// storages does not leave its large maps to this thread for good.
 const SPARE_ROOM: usize = 1024;
 
 thread_local! {
-    /// The index maps of the last message encoded on this thread, emptied, for the next:
-    /// a message of a few tensors would otherwise allocate three maps and free them.
-    static SPARE: std::cell::RefCell<Option<Maps>> = const { std::cell::RefCell::new(None) };
+    /// What the last message encoded on this thread left, for the next: a message of a few
+    /// tensors would otherwise allocate each map and list and free it.
+    static SPARE: std::cell::RefCell<Option<Spare>> = const { std::cell::RefCell::new(None) };
 }
 
 impl EncodeCtx {
-    fn new() -> EncodeCtx {
-        let (fd_index, segment_index, storage_index) =
-            SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
-        EncodeCtx { fd_index, segment_index, storage_index, ..EncodeCtx::default() }
+    fn new() -> (EncodeCtx, Vec<u32>) {
+        let spare = SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
+        let ctx = EncodeCtx {
+            fd_index: spare.fd_index,
+            segment_index: spare.segment_index,
+            storage_index: spare.storage_index,
+            arenas: spare.arenas,
+            named: spare.named,
+            ..EncodeCtx::default()
+        };
+        (ctx, spare.slots)
     }
 
-    /// Gives the index maps back for the next message, once they are no longer needed.
-    fn recycle_maps(&mut self) {
-        let mut maps = (
-            std::mem::take(&mut self.fd_index),
-            std::mem::take(&mut self.segment_index),
-            std::mem::take(&mut self.storage_index),
-        );
-        if maps.0.capacity().max(maps.1.capacity()).max(maps.2.capacity()) <= SPARE_ROOM {
-            maps.0.clear();
-            maps.1.clear();
-            maps.2.clear();
-            SPARE.with(|s| *s.borrow_mut() = Some(maps));
+    /// Gives the maps and lists back for the next message, once they are no longer needed,
+    /// with `slots`, a list of the caller's.
+    fn recycle(&mut self, slots: Vec<u32>) {
+        let mut spare = Spare {
+            fd_index: std::mem::take(&mut self.fd_index),
+            segment_index: std::mem::take(&mut self.segment_index),
+            storage_index: std::mem::take(&mut self.storage_index),
+            arenas: std::mem::take(&mut self.arenas),
+            named: std::mem::take(&mut self.named),
+            slots,
+        };
+        let most = [
+            spare.fd_index.capacity(),
+            spare.segment_index.capacity(),
+            spare.storage_index.capacity(),
+            spare.arenas.capacity(),
+            spare.named.capacity(),
+            spare.slots.capacity(),
+        ];
+        if most.into_iter().max().unwrap_or(0) <= SPARE_ROOM {
+            spare.fd_index.clear();
+            spare.segment_index.clear();
+            spare.storage_index.clear();
+            spare.arenas.clear();
+            spare.named.clear();
+            spare.slots.clear();
+            SPARE.with(|s| *s.borrow_mut() = Some(spare));
         }
     }
 }
+
+/// Bytes a payload starts with room for.
+const PAYLOAD_ROOM: usize = 256;
 
 /// Turns `value` into a message: tensors become handles to shared memory. A private
 /// storage is moved into shared memory first, in place, for all of its handles (as torch
@@ -102,26 +138,39 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     if ENCODING.with(|c| c.borrow().is_some()) {
         return Err(Error::Serialize("encode called while encoding another message".into()));
     }
-    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::new()));
+    let (ctx, mut slots) = EncodeCtx::new();
+    ENCODING.with(|c| *c.borrow_mut() = Some(ctx));
     let reset = Reset;
     super::forget_reason();
-    let payload = postcard::to_allocvec(value).map_err(|e| Error::Serialize(super::reason(e)));
+    // Room for a value of a few tensors from the start, rather than growing from a few bytes.
+    let payload = postcard::to_extend(value, Vec::with_capacity(PAYLOAD_ROOM))
+        .map_err(|e| Error::Serialize(super::reason(e)));
     let ctx = ENCODING.with(|c| c.borrow_mut().take());
     drop(reset);
     let mut ctx = ctx.ok_or_else(|| Error::Serialize("the message's encoding context vanished".into()))?;
     let payload = payload?;
+    // The slots, arena by arena.
+    ctx.named.sort_unstable();
     // Only arenas' descriptors, none of them a large storage's (which the lane's windows
     // would keep alive far longer than a message does).
     let mut lane_ok = lane_max.is_some()
         && ctx.fds.is_empty()
-        && ctx.segments.iter().all(|(a, _)| !a.is_large() && a.slot_size() <= LANE_MAX_SLOT_BYTES)
-        && ctx.segments.iter().map(|(_, slots)| slots.len()).sum::<usize>() <= LANE_MAX_SLOTS
+        && ctx.arenas.iter().all(|a| !a.is_large() && a.slot_size() <= LANE_MAX_SLOT_BYTES)
+        && ctx.named.len() <= LANE_MAX_SLOTS
         && ctx.storages.iter().all(|s| !matches!(s, StorageDesc::Device(_)));
     // The arenas' descriptors last: each is a send description with the message's slots
     // locked on it, taken only now that the whole value is known.
-    let mut segments = Vec::with_capacity(ctx.segments.len());
+    let mut segments = Vec::with_capacity(ctx.arenas.len());
     let mut lane_arenas = Vec::new();
-    for (arena, slots) in std::mem::take(&mut ctx.segments) {
+    let arenas = std::mem::take(&mut ctx.arenas);
+    let mut next = 0;
+    for (i, arena) in arenas.iter().enumerate() {
+        slots.clear();
+        // Every arena of the table has a slot named (it was added for one).
+        while let Some(&(_, slot)) = ctx.named.get(next).filter(|&&(a, _)| a as usize == i) {
+            slots.push(slot);
+            next += 1;
+        }
         let (fd, tag) = arena.send_hold(&slots)?;
         let name = arena.segment().name().map(str::to_owned);
         if lane_ok {
@@ -131,7 +180,8 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
         }
         segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
     }
-    ctx.recycle_maps();
+    ctx.arenas = arenas;
+    ctx.recycle(slots);
     let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
     let mut header = Header { nfds, segments, storages: ctx.storages };
     let lane = match lane_max {
@@ -154,16 +204,19 @@ fn lane_form(
     arenas: Vec<LaneArena>,
     max: usize,
 ) -> Result<Option<LaneForm>> {
+    // A lane message carries no other descriptor, so segment `i`'s is descriptor `i`.
+    if header.segments.iter().enumerate().any(|(i, s)| s.fd as usize != i) {
+        return Ok(None);
+    }
     let nfds = std::mem::replace(&mut header.nfds, 0);
-    let fds: Vec<u32> = header.segments.iter().map(|s| s.fd).collect();
     for (s, a) in header.segments.iter_mut().zip(&arenas) {
         s.fd = 0;
         s.id = Some((a.id.0, a.id.1, a.tag));
     }
     let framed = header::frame(header, payload.len());
     header.nfds = nfds;
-    for (s, fd) in header.segments.iter_mut().zip(fds) {
-        s.fd = fd;
+    for (i, s) in header.segments.iter_mut().enumerate() {
+        s.fd = i as u32;
         s.id = None;
     }
     let mut bytes = framed?;
@@ -219,13 +272,13 @@ pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
                 let segment = match ctx.segment_index.get(&Arc::as_ptr(arena)) {
                     Some(&i) => i,
                     None => {
-                        ctx.segments.push((arena.clone(), Vec::new()));
-                        let i = (ctx.segments.len() - 1) as u32;
+                        ctx.arenas.push(arena.clone());
+                        let i = (ctx.arenas.len() - 1) as u32;
                         ctx.segment_index.insert(Arc::as_ptr(arena), i);
                         i
                     }
                 };
-                ctx.segments[segment as usize].1.push(slot.slot());
+                ctx.named.push((segment, slot.slot()));
                 StorageDesc::Slot { segment, slot: slot.slot(), len: storage.len() as u64 }
             }
             #[cfg(feature = "cuda")]
