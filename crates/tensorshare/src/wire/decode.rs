@@ -11,25 +11,10 @@ use crate::arena::{Arena, Slot};
 use crate::shm::{FileId, Segment};
 use crate::storage::Shared;
 use crate::{Error, Result, Storage};
+use lists::Lists;
 
-/// The lists decoding a message needs, kept between messages on this thread (emptied): a
-/// message of a tensor or two would otherwise allocate each and free it.
-#[derive(Default)]
-struct Lists {
-    /// Per segment of the message: its arena, and the description that holds its slots.
-    arenas: Vec<Arc<Arena>>,
-    carried: Vec<Option<Arc<OwnedFd>>>,
-    /// Slots not held here yet: (segment, slot, length, entry naming it).
-    new: Vec<(u32, u32, usize, usize)>,
-    slots: Vec<u32>,
-}
-
-thread_local! {
-    static LISTS: std::cell::RefCell<Lists> = std::cell::RefCell::default();
-}
-
-/// Most entries a kept list may have room for.
-const LISTS_ROOM: usize = 1024;
+#[path = "decode_lists.rs"]
+mod lists;
 
 pub(super) struct DecodeCtx {
     storages: Vec<Storage>,
@@ -90,7 +75,9 @@ fn decode_from<T: DeserializeOwned>(
 ) -> Result<T> {
     // What earlier messages borrowed is settled before this one borrows.
     crate::arena::settle();
-    let (header, body) = header::parse(message)?;
+    let mut lists = Lists::take();
+    let mut header = std::mem::take(&mut lists.header);
+    let body = header::parse_into(message, &mut header)?;
     if fds.len() != header.nfds as usize {
         return Err(Error::invalid(format!(
             "the message names {} descriptors but {} came with it",
@@ -102,7 +89,6 @@ fn decode_from<T: DeserializeOwned>(
     // The arenas' descriptors stay open until this process holds its own locks on the
     // slots it keeps, or borrows their holds: until then they are what holds them. (A lane
     // message's are parked in its queue's directory until this process is done with it.)
-    let mut lists = LISTS.with(|l| l.take());
     let Lists { arenas, carried, .. } = &mut lists;
     for d in &header.segments {
         match (d.id, lane) {
@@ -134,15 +120,8 @@ fn decode_from<T: DeserializeOwned>(
             _ => {}
         }
     }
-    lists.arenas.clear();
-    lists.new.clear();
-    lists.slots.clear();
-    if [lists.arenas.capacity(), lists.carried.capacity(), lists.new.capacity(), lists.slots.capacity()]
-        .into_iter()
-        .all(|c| c <= LISTS_ROOM)
-    {
-        LISTS.with(|l| *l.borrow_mut() = lists);
-    }
+    lists.header = header;
+    lists.put_back();
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
     struct Reset;
     impl Drop for Reset {
@@ -207,7 +186,7 @@ fn resolve_storages(
     borrow: bool,
     fds: &mut [Option<OwnedFd>],
 ) -> Result<Vec<Storage>> {
-    let Lists { arenas, carried, new, slots } = lists;
+    let Lists { arenas, carried, new, slots, .. } = lists;
     let mut out: Vec<Option<Storage>> = Vec::with_capacity(descs.len());
     // Slots this process does not hold yet, one per entry (a message may name a slot
     // twice).
