@@ -237,6 +237,26 @@ mod tests {
         assert!(range_free(creator.seg.fd(), 1, 1).unwrap(), "free once the holder is gone");
     }
 
+    /// Handles that a hold took and nobody took out of it go back when it goes (a decode
+    /// that fails between the hold and its last handle).
+    #[test]
+    fn handles_left_in_a_hold_are_given_back() {
+        let creator = Arc::new(Arena::create(4096, 4, SharingStrategy::FileDescriptor).unwrap());
+        let message = creator.send_hold(&[1, 2]).unwrap().0;
+        creator.state().send = None;
+        let seg = Segment::from_fd(creator.seg.reopen().unwrap(), 0).unwrap();
+        let holder = Arc::new(Arena::open(seg).unwrap());
+        let mut held = Slot::hold(&holder, &[1, 2], Some(&message)).unwrap();
+        let first = held.next().unwrap();
+        drop(held);
+        assert_eq!(holder.state().local[2], 0, "the handle not taken is given back");
+        assert_eq!(holder.state().local[1], 1, "the one taken stays");
+        assert_eq!(Arc::strong_count(&message), 2, "only the slot still held borrows the message");
+        drop(first);
+        assert_eq!(Arc::strong_count(&message), 1, "nothing borrows it any more");
+        assert!(holder.settle());
+    }
+
     #[test]
     fn a_borrowed_hold_dropped_before_settling_leaves_no_lock() {
         let (creator, message, holder) = sent();
