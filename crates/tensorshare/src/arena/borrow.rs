@@ -67,7 +67,8 @@ fn note(flag: &AtomicBool, arena: &Arc<Arena>, list: impl FnOnce(&mut Deferred) 
 }
 
 /// Does `f` for each arena of a list of work for later, if its flag is raised: the arenas
-/// still alive, as many as the list had (work put back meanwhile waits for the next time).
+/// still alive, at most as many as the list had (work put back meanwhile by this thread
+/// waits for the next time; another thread doing the same work may take some of it).
 /// They are taken a few at a time, so no list is made for them.
 fn each(flag: &AtomicBool, list: fn(&mut Deferred) -> &mut Vec<Weak<Arena>>, mut f: impl FnMut(Arc<Arena>)) {
     if !flag.load(Ordering::Acquire) {

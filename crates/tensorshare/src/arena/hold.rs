@@ -160,8 +160,9 @@ impl std::fmt::Debug for Slot {
 }
 
 impl Slot {
-    /// Handles of `slots` of a received arena, in order: this process now holds them, with
-    /// locks of its own, or through `via`, the message's description (see `borrow`).
+    /// Holds `slots` of a received arena, with locks of its own or through `via`, the
+    /// message's description (see `borrow`), and returns their handles, to be taken in
+    /// order: those not taken are given back when the [`Held`] goes.
     pub(crate) fn hold<'a>(
         arena: &'a Arc<Arena>,
         slots: &'a [u32],

@@ -178,8 +178,8 @@ fn lane_arena(d: &SegmentDesc, id: FileId, lane: &dyn super::LaneArenas) -> Resu
 }
 
 /// Resolves every storage of the table: the storage this process already has for a slot,
-/// or a new handle of it. New handles take this process's holds, arena by arena, in one
-/// step each (see `Arena::hold`).
+/// or a new handle of it. New handles take this process's holds, segment by segment, in
+/// one step each (see `Arena::hold`).
 fn resolve_storages(
     descs: &[StorageDesc],
     lists: &mut Lists,

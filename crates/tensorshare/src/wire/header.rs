@@ -195,6 +195,21 @@ mod tests {
         m
     }
 
+    /// `bytes` as a header read into `into`: refused exactly when postcard's own `Header`
+    /// refuses them, else the header postcard reads.
+    fn read_as_postcard_does(bytes: &[u8], mut into: Header) -> Result<(), TestCaseError> {
+        let theirs = postcard::from_bytes::<Header>(bytes);
+        let ours = parse_into(&framed(bytes), &mut into);
+        match theirs {
+            Ok(h) => {
+                prop_assert!(ours.is_ok(), "postcard reads {:?}, refused: {:?}", h, ours);
+                prop_assert_eq!(format!("{into:?}"), format!("{h:?}"));
+            }
+            Err(e) => prop_assert!(ours.is_err(), "postcard refuses ({e}), read as {into:?}"),
+        }
+        Ok(())
+    }
+
     proptest! {
         /// What postcard's own `Header` reads, read into a header that held another.
         #[test]
@@ -211,16 +226,28 @@ mod tests {
             bytes in proptest::collection::vec(any::<u8>(), 0..64),
             old in header(),
         ) {
-            let theirs = postcard::from_bytes::<Header>(&bytes);
-            let mut into = old;
-            let ours = parse_into(&framed(&bytes), &mut into);
-            match theirs {
-                Ok(h) => {
-                    prop_assert!(ours.is_ok(), "postcard reads {:?}, refused: {:?}", h, ours);
-                    prop_assert_eq!(format!("{into:?}"), format!("{h:?}"));
-                }
-                Err(e) => prop_assert!(ours.is_err(), "postcard refuses ({e}), read as {into:?}"),
+            read_as_postcard_does(&bytes, old)?;
+        }
+    }
+
+    proptest! {
+        /// A header with one byte changed or cut short: refused exactly when postcard refuses
+        /// it, else the same header.
+        #[test]
+        fn a_damaged_header_is_refused_or_read_as_postcard_does(
+            h in header(),
+            at in any::<proptest::sample::Index>(),
+            byte in any::<u8>(),
+            cut in any::<bool>(),
+        ) {
+            let mut bytes = postcard::to_allocvec(&h).unwrap();
+            let i = at.index(bytes.len());
+            if cut {
+                bytes.truncate(i);
+            } else {
+                bytes[i] = byte;
             }
+            read_as_postcard_does(&bytes, Header::default())?;
         }
     }
 
