@@ -22,6 +22,8 @@ pub(super) struct EncodeCtx {
     segment_index: FastMap<*const Arena, u32>,
     /// The slots the message names: (index in `arenas`, slot).
     named: Vec<(u32, u32)>,
+    /// Room for one arena's slots at a time, as `send_hold` takes them.
+    slots: Vec<u32>,
     storages: Vec<StorageDesc>,
     storage_index: FastMap<*const crate::storage::Inner, u32>,
     /// The send event recorded for this message, per device: one record covers every
@@ -54,29 +56,28 @@ thread_local! {
 }
 
 impl EncodeCtx {
-    fn new() -> (EncodeCtx, Vec<u32>) {
+    fn new() -> EncodeCtx {
         let spare = SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
-        let ctx = EncodeCtx {
+        EncodeCtx {
             fd_index: spare.fd_index,
             segment_index: spare.segment_index,
             storage_index: spare.storage_index,
             arenas: spare.arenas,
             named: spare.named,
+            slots: spare.slots,
             ..EncodeCtx::default()
-        };
-        (ctx, spare.slots)
+        }
     }
 
-    /// Gives the maps and lists back for the next message, once they are no longer needed,
-    /// with `slots`, a list of the caller's.
-    fn recycle(&mut self, slots: Vec<u32>) {
+    /// Gives the maps and lists back for the next message, once they are no longer needed.
+    fn recycle(&mut self) {
         let mut spare = Spare {
             fd_index: std::mem::take(&mut self.fd_index),
             segment_index: std::mem::take(&mut self.segment_index),
             storage_index: std::mem::take(&mut self.storage_index),
             arenas: std::mem::take(&mut self.arenas),
             named: std::mem::take(&mut self.named),
-            slots,
+            slots: std::mem::take(&mut self.slots),
         };
         let most = [
             spare.fd_index.capacity(),
@@ -138,8 +139,7 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     if ENCODING.with(|c| c.borrow().is_some()) {
         return Err(Error::Serialize("encode called while encoding another message".into()));
     }
-    let (ctx, mut slots) = EncodeCtx::new();
-    ENCODING.with(|c| *c.borrow_mut() = Some(ctx));
+    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::new()));
     let reset = Reset;
     super::forget_reason();
     // Room for a value of a few tensors from the start, rather than growing from a few bytes.
@@ -163,6 +163,7 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     let mut segments = Vec::with_capacity(ctx.arenas.len());
     let mut lane_arenas = Vec::new();
     let arenas = std::mem::take(&mut ctx.arenas);
+    let mut slots = std::mem::take(&mut ctx.slots);
     let mut next = 0;
     for (i, arena) in arenas.iter().enumerate() {
         slots.clear();
@@ -181,7 +182,8 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
         segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
     }
     ctx.arenas = arenas;
-    ctx.recycle(slots);
+    ctx.slots = slots;
+    ctx.recycle();
     let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
     let mut header = Header { nfds, segments, storages: ctx.storages };
     let lane = match lane_max {
