@@ -204,7 +204,7 @@ impl Core {
 
     /// About how many values wait: see `Queue::len`.
     pub(super) fn len(&self) -> usize {
-        self.control.queued(|| self.drained()) + self.outbox.waiting()
+        self.control.queued(|| self.drained()) + self.control.lane().waiting() + self.outbox.waiting()
     }
 
     /// Whether no message waits in the queue's lane or socket and none of this process's

@@ -121,7 +121,8 @@ impl Core {
         }
         l.last = Some(pos);
         drop(l);
-        self.control.ring();
+        // Not counted in `queued`: the ring counts its own (see `Core::len`).
+        self.control.bell().ring();
         if self.control.polled() {
             // Someone started waiting on the socket meanwhile (see `watch_socket`).
             self.nudge();
@@ -201,11 +202,12 @@ impl Core {
         }
         let _done = Done(self.lane_ring(), pos);
         arenas::forget_old(&mut lock(&self.lane).borrowed, Ring::window(pos));
-        self.control.count_taken();
         self.control.release();
         let bytes =
             bytes.map_err(|n| Error::invalid(format!("a lane message of {n} bytes, more than a cell")))?;
-        wire::decode_lane(&bytes, &Taking { core: self, window: Ring::window(pos) })
+        let value = wire::decode_lane(&bytes, &Taking { core: self, window: Ring::window(pos) });
+        super::lane::give_back(bytes);
+        value
     }
 
     /// One look at the lane, then the socket (unless `sure` is false and no record is said

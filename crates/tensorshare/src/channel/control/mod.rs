@@ -44,8 +44,11 @@ pub(super) struct Counters {
     waiters: AtomicU32,
     /// The queue's capacity (UNBOUNDED: none).
     capacity: AtomicU32,
-    /// Values put and not yet taken, as producers and consumers say: only for `len`, which
-    /// is an estimate (see `Queue::len`); nothing else reads it.
+    /// Values put through the socket and not yet taken, as producers and consumers say: only
+    /// for `len`, which is an estimate (see `Queue::len`); nothing else reads it. The lane's
+    /// messages are not counted here: its ring says how many wait (`Ring::waiting`), and a
+    /// count both sides write would move this line, which every `put` and `get` reads,
+    /// between their CPUs for every message.
     queued: AtomicU32,
     /// Records in the queue's socket, as writers (before writing) and takers (after taking)
     /// say: never below the truth but by a peer's writes, so a receiver that finds it zero
@@ -206,8 +209,8 @@ impl Control {
         super::socket::Awake { bell: self.bell(), patience: &self.patience }
     }
 
-    /// A record was written to the queue's socket or a message published in its lane: it
-    /// counts (see `queued`), and receivers polling awake or asleep are told.
+    /// A record was written to the queue's socket: it counts (see `queued`), and receivers
+    /// polling awake or asleep are told.
     pub(crate) fn ring(&self) {
         self.counters().queued.fetch_add(1, Ordering::Relaxed);
         self.bell().ring();
