@@ -139,20 +139,30 @@ impl Patience {
 }
 
 /// Spins until `bell` moves from `rung`, the spin window closes or the deadline passes;
-/// from `yield_after` on, gives the CPU to other ready work every `YIELD_EVERY`.
-pub(super) fn watch(bell: &Bell, rung: u32, until: Instant, yield_after: Instant, deadline: Deadline) {
+/// from `yield_after` on, gives the CPU to other ready work every `YIELD_EVERY`. Returns
+/// its last reading of the clock, if it read it: the bell moved at most one batch of looks
+/// after it (a wait that ended while polling is learnt from it, with no reading more).
+pub(super) fn watch(
+    bell: &Bell,
+    rung: u32,
+    until: Instant,
+    yield_after: Instant,
+    deadline: Deadline,
+) -> Option<Instant> {
     let mut next_yield = yield_after;
+    let mut seen = None;
     loop {
         // Reading the clock costs more than a look at the word: look a few times per reading.
         for _ in 0..32 {
             if bell.rung.load(Ordering::Acquire) != rung {
-                return;
+                return seen;
             }
             std::hint::spin_loop();
         }
         let now = Instant::now();
+        seen = Some(now);
         if now >= until || deadline.passed(now) {
-            return;
+            return seen;
         }
         if now >= next_yield {
             rustix::thread::sched_yield();

@@ -277,6 +277,8 @@ impl Core {
         let mut spin_until = Instant::now() + SPIN;
         let mut yield_after = spin_until;
         let mut empty_since: Option<Instant> = None;
+        // The latest reading of the clock while polling (none after a sleep).
+        let mut seen: Option<Instant> = None;
         let mut closed = false;
         // The socket is looked at when the count of its records says one may be there, and
         // after every sleep whatever the count says. Honest writers count a record before
@@ -291,7 +293,11 @@ impl Core {
             let rung = bell.rung();
             if let Some(v) = self.look(&mut waiting, std::mem::take(&mut sure))? {
                 if let Some(since) = empty_since {
-                    awake.patience.learn(since.elapsed());
+                    // A wait caught while polling ended less than a batch of looks after
+                    // the last reading (see `watch`): close enough for the window, and one
+                    // reading fewer on the way to the value.
+                    let end = seen.unwrap_or_else(Instant::now);
+                    awake.patience.learn(end.saturating_duration_since(since));
                 }
                 return v;
             }
@@ -309,8 +315,9 @@ impl Core {
                 }
             };
             let now = Instant::now();
+            seen = Some(now);
             if now < spin_until && !deadline.passed(now) {
-                watch(bell, rung, spin_until, yield_after, deadline);
+                seen = watch(bell, rung, spin_until, yield_after, deadline).or(seen);
                 continue;
             }
             let Some(slice) = deadline.slice() else { return Err(Error::Timeout) };
@@ -320,6 +327,7 @@ impl Core {
                 (false, true) => slice,
             };
             bell.sleep(rung, nap);
+            seen = None;
             sure = true;
             if bell.rung() != rung {
                 continue;

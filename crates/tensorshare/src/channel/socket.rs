@@ -303,7 +303,7 @@ pub(crate) fn recv_taken(
         let now = Instant::now();
         if now < spin_until && !deadline.passed(now) {
             if let (Some(b), Some(rung)) = (bell, rung) {
-                watch(b, rung, spin_until, yield_after, deadline);
+                let _ = watch(b, rung, spin_until, yield_after, deadline);
             } else {
                 std::hint::spin_loop();
             }
