@@ -150,7 +150,7 @@ impl Core {
         value: &T,
         deadline: Deadline,
     ) -> Result<()> {
-        let msg = wire::encode_for_lane(value, super::lane::CELL_BYTES)?;
+        let mut msg = wire::encode_for_lane(value, super::lane::CELL_BYTES)?;
         if deadline.slice().is_none() && self.control.is_full() {
             // `try_put` on a full queue: no place now, so no framing (a large message would
             // be written into a memfd only to be dropped).
@@ -160,9 +160,10 @@ impl Core {
         // which takes a while, and a place held that long with nothing in the socket would
         // look lost to a producer waiting for one (see `restore_places`). A message for the
         // lane is small: framed only if the lane cannot take it.
-        let (lane_msg, out) = match self.lane_may_take(&msg) {
-            true => (Some(msg), None),
-            false => (None, Some(Outgoing::new(msg)?)),
+        // (The message stays where it is for the lane: it is not moved about on the way.)
+        let mut out = match self.lane_may_take(&msg) {
+            true => None,
+            false => Some(Outgoing::new(std::mem::take(&mut msg))?),
         };
         // A free place (an unbounded queue always has one): no syscall.
         let mut placed = self.control.try_acquire();
@@ -188,11 +189,10 @@ impl Core {
             self.control.restore_places(empty_before && empty);
             empty_before = empty;
         }
-        let out = match (lane_msg, out) {
-            (Some(msg), _) if self.lane_put(&msg) => return Ok(()),
-            (Some(msg), _) => Outgoing::new(msg).inspect_err(|_| self.control.release())?,
-            (None, Some(out)) => out,
-            (None, None) => unreachable!("a message is framed or kept for the lane"),
+        let out = match out.take() {
+            Some(out) => out,
+            None if self.lane_put(&msg) => return Ok(()),
+            None => Outgoing::new(msg).inspect_err(|_| self.control.release())?,
         };
         let alive = || -> super::outbox::Alive {
             let (core, control) = (Arc::downgrade(self), self.control.clone());

@@ -13,8 +13,13 @@ use crate::storage::Shared;
 use crate::util::FastMap;
 use crate::{Error, Result, Storage};
 
+/// The encoding context of a thread: what the message being encoded names so far. It stays
+/// in its thread-local between messages, emptied, so that a message of a few tensors
+/// allocates no map or list of its own and moves no context around.
 #[derive(Default)]
 pub(super) struct EncodeCtx {
+    /// Whether a value is being serialized into a message on this thread now.
+    pub(super) active: bool,
     fds: Vec<FdSource>,
     fd_index: FastMap<i32, u32>,
     /// Arenas named so far, in table order.
@@ -32,69 +37,47 @@ pub(super) struct EncodeCtx {
     events: std::collections::HashMap<u32, crate::cuda::IpcBytes>,
 }
 
-/// What an `EncodeCtx` keeps for the next message on its thread, emptied: its index maps
-/// and its lists of arenas and slots.
-#[derive(Default)]
-struct Spare {
-    fd_index: FastMap<i32, u32>,
-    segment_index: FastMap<*const Arena, u32>,
-    storage_index: FastMap<*const crate::storage::Inner, u32>,
-    arenas: Vec<Arc<Arena>>,
-    named: Vec<(u32, u32)>,
-    slots: Vec<u32>,
-}
-
-/// Most entries a spare map or list may have room for: a message of a batch of small
+/// Most entries a kept map or list may have room for: a message of a batch of small
 /// tensors reuses them (a map of this many entries is a few pages), and one of far more
 /// storages does not leave its large maps to this thread for good.
 const SPARE_ROOM: usize = 1024;
 
-thread_local! {
-    /// What the last message encoded on this thread left, for the next: a message of a few
-    /// tensors would otherwise allocate each map and list and free it.
-    static SPARE: std::cell::RefCell<Option<Spare>> = const { std::cell::RefCell::new(None) };
-}
-
 impl EncodeCtx {
-    fn new() -> EncodeCtx {
-        let spare = SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
-        EncodeCtx {
-            fd_index: spare.fd_index,
-            segment_index: spare.segment_index,
-            storage_index: spare.storage_index,
-            arenas: spare.arenas,
-            named: spare.named,
-            slots: spare.slots,
-            ..EncodeCtx::default()
+    /// Empties the context for the next message, keeping the room of its maps and lists
+    /// unless one grew past `SPARE_ROOM`.
+    fn finish(&mut self) {
+        let most = [
+            self.fds.capacity(),
+            self.fd_index.capacity(),
+            self.segment_index.capacity(),
+            self.storage_index.capacity(),
+            self.arenas.capacity(),
+            self.named.capacity(),
+            self.slots.capacity(),
+            self.storages.capacity(),
+        ];
+        if most.into_iter().max().unwrap_or(0) > SPARE_ROOM {
+            *self = EncodeCtx::default();
+            return;
         }
+        self.active = false;
+        self.fds.clear();
+        self.fd_index.clear();
+        self.segment_index.clear();
+        self.storage_index.clear();
+        self.arenas.clear();
+        self.named.clear();
+        self.slots.clear();
+        self.storages.clear();
+        #[cfg(feature = "cuda")]
+        self.events.clear();
     }
 
-    /// Gives the maps and lists back for the next message, once they are no longer needed.
-    fn recycle(&mut self) {
-        let mut spare = Spare {
-            fd_index: std::mem::take(&mut self.fd_index),
-            segment_index: std::mem::take(&mut self.segment_index),
-            storage_index: std::mem::take(&mut self.storage_index),
-            arenas: std::mem::take(&mut self.arenas),
-            named: std::mem::take(&mut self.named),
-            slots: std::mem::take(&mut self.slots),
-        };
-        let most = [
-            spare.fd_index.capacity(),
-            spare.segment_index.capacity(),
-            spare.storage_index.capacity(),
-            spare.arenas.capacity(),
-            spare.named.capacity(),
-            spare.slots.capacity(),
-        ];
-        if most.into_iter().max().unwrap_or(0) <= SPARE_ROOM {
-            spare.fd_index.clear();
-            spare.segment_index.clear();
-            spare.storage_index.clear();
-            spare.arenas.clear();
-            spare.named.clear();
-            spare.slots.clear();
-            SPARE.with(|s| *s.borrow_mut() = Some(spare));
+    /// The context of the message being serialized on this thread, if one is.
+    fn active(&mut self) -> Result<&mut EncodeCtx> {
+        match self.active {
+            true => Ok(self),
+            false => Err(Error::Serialize("not encoding a message".into())),
         }
     }
 }
@@ -132,23 +115,31 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
     struct Reset;
     impl Drop for Reset {
         fn drop(&mut self) {
-            // Leave no context behind, also when a Serialize impl panics.
-            ENCODING.with(|c| c.borrow_mut().take());
+            // Leave the context empty for the next message, also when a Serialize impl or a
+            // hold panics (the borrow below is given up before this runs).
+            ENCODING.with(|c| c.borrow_mut().finish());
         }
     }
-    if ENCODING.with(|c| c.borrow().is_some()) {
+    let begun = ENCODING.with(|c| !std::mem::replace(&mut c.borrow_mut().active, true));
+    if !begun {
         return Err(Error::Serialize("encode called while encoding another message".into()));
     }
-    ENCODING.with(|c| *c.borrow_mut() = Some(EncodeCtx::new()));
-    let reset = Reset;
+    let _reset = Reset;
     super::forget_reason();
     // Room for a value of a few tensors from the start, rather than growing from a few bytes.
     let payload = postcard::to_extend(value, Vec::with_capacity(PAYLOAD_ROOM))
-        .map_err(|e| Error::Serialize(super::reason(e)));
-    let ctx = ENCODING.with(|c| c.borrow_mut().take());
-    drop(reset);
-    let mut ctx = ctx.ok_or_else(|| Error::Serialize("the message's encoding context vanished".into()))?;
-    let payload = payload?;
+        .map_err(|e| Error::Serialize(super::reason(e)))?;
+    ENCODING.with(|c| {
+        let mut ctx = c.borrow_mut();
+        // Serialized: from here on tensors are no longer encoded as handles (`encoding`).
+        ctx.active = false;
+        finish_message(&mut ctx, payload, lane_max)
+    })
+}
+
+/// The rest of a message once its value is serialized: the send holds of its arenas, its
+/// header, and its lane form when it has one.
+fn finish_message(ctx: &mut EncodeCtx, payload: Vec<u8>, lane_max: Option<usize>) -> Result<Encoded> {
     // The slots, arena by arena.
     ctx.named.sort_unstable();
     // Only arenas' descriptors, none of them a large storage's (which the lane's windows
@@ -179,23 +170,23 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
             let id = arena.segment().file_id();
             lane_arenas.push(LaneArena { desc: fd.clone(), tag, id, name: name.clone() });
         }
-        segments.push(SegmentDesc { fd: push_fd(&mut ctx, FdSource::Fd(fd)), name, id: None });
+        segments.push(SegmentDesc { fd: push_fd(ctx, FdSource::Fd(fd)), name, id: None });
     }
     ctx.arenas = arenas;
     ctx.slots = slots;
-    ctx.recycle();
     let nfds = u32::try_from(ctx.fds.len()).map_err(|_| Error::Serialize("too many descriptors".into()))?;
-    let mut header = Header { nfds, segments, storages: ctx.storages };
+    let fds = std::mem::take(&mut ctx.fds);
+    let mut header = Header { nfds, segments, storages: std::mem::take(&mut ctx.storages) };
     let lane = match lane_max {
         Some(max) if lane_ok => lane_form(&mut header, &payload, lane_arenas, max)?,
         _ => None,
     };
     if lane.is_some() {
-        return Ok(Encoded { bytes: Vec::new(), fds: ctx.fds, lane, unframed: Some((header, payload)) });
+        return Ok(Encoded { bytes: Vec::new(), fds, lane, unframed: Some((header, payload)) });
     }
     let mut bytes = header::frame(&header, payload.len())?;
     bytes.extend_from_slice(&payload);
-    Ok(Encoded { bytes, fds: ctx.fds, lane, unframed: None })
+    Ok(Encoded { bytes, fds, lane, unframed: None })
 }
 
 /// The message with its arenas named by identity and no descriptor, if it fits `max`.
@@ -231,11 +222,7 @@ fn lane_form(
 
 /// Adds a descriptor to the message being encoded; returns its index.
 pub(crate) fn encode_fd(source: FdSource) -> Result<u32> {
-    ENCODING.with(|c| {
-        let mut c = c.borrow_mut();
-        let ctx = c.as_mut().ok_or_else(|| Error::Serialize("not encoding a message".into()))?;
-        Ok(push_fd(ctx, source))
-    })
+    ENCODING.with(|c| Ok(push_fd(c.borrow_mut().active()?, source)))
 }
 
 fn push_fd(ctx: &mut EncodeCtx, source: FdSource) -> u32 {
@@ -250,7 +237,7 @@ fn push_fd(ctx: &mut EncodeCtx, source: FdSource) -> u32 {
 pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
     ENCODING.with(|c| {
         let mut c = c.borrow_mut();
-        let ctx = c.as_mut().ok_or_else(|| Error::Serialize("not encoding a message".into()))?;
+        let ctx = c.active()?;
         let key = Arc::as_ptr(&storage.inner);
         if let Some(&i) = ctx.storage_index.get(&key) {
             return Ok(i);

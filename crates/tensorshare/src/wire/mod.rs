@@ -46,7 +46,7 @@ impl FdSource {
 }
 
 thread_local! {
-    static ENCODING: RefCell<Option<encode::EncodeCtx>> = const { RefCell::new(None) };
+    static ENCODING: RefCell<encode::EncodeCtx> = RefCell::new(encode::EncodeCtx::default());
     static DECODING: RefCell<Option<decode::DecodeCtx>> = const { RefCell::new(None) };
     /// Why the value being encoded or decoded was refused: postcard keeps only that a custom
     /// error happened, so the first reason is kept here for the error the caller sees.
@@ -82,6 +82,7 @@ fn forget_reason() {
 
 /// A value turned into a message, not yet sent: its bytes and the descriptors that must
 /// travel with them.
+#[derive(Default)]
 pub(crate) struct Encoded {
     /// The message's bytes (empty while `unframed` holds them; see [`Encoded::framed`]).
     pub(crate) bytes: Vec<u8>,
@@ -146,7 +147,8 @@ impl Encoded {
 /// Whether a value is being encoded into a message on this thread (tensors then serialize
 /// as handles, otherwise by value).
 pub(crate) fn encoding() -> bool {
-    ENCODING.with(|c| c.borrow().is_some())
+    // Borrowed for writing: the message's value is serialized already (see `encode`).
+    ENCODING.with(|c| c.try_borrow().is_ok_and(|c| c.active))
 }
 
 pub(crate) use decode::decode_storage;
