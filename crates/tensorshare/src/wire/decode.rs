@@ -75,53 +75,7 @@ fn decode_from<T: DeserializeOwned>(
 ) -> Result<T> {
     // What earlier messages borrowed is settled before this one borrows.
     crate::arena::settle();
-    let mut lists = Lists::take();
-    let mut header = std::mem::take(&mut lists.header);
-    let body = header::parse_into(message, &mut header)?;
-    if fds.len() != header.nfds as usize {
-        return Err(Error::invalid(format!(
-            "the message names {} descriptors but {} came with it",
-            header.nfds,
-            fds.len()
-        )));
-    }
-    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
-    // The arenas' descriptors stay open until this process holds its own locks on the
-    // slots it keeps, or borrows their holds: until then they are what holds them. (A lane
-    // message's are parked in its queue's directory until this process is done with it.)
-    let Lists { arenas, carried, .. } = &mut lists;
-    for d in &header.segments {
-        match (d.id, lane) {
-            (None, None) => {
-                let fd = fds.get_mut(d.fd as usize).and_then(Option::take).ok_or_else(|| {
-                    Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd))
-                })?;
-                arenas.push(resolve_arena(d, fd.as_fd(), None)?);
-                carried.push(Some(Arc::new(fd)));
-            }
-            (Some((dev, ino, tag)), Some(lane)) => {
-                let arena = lane_arena(d, (dev, ino), lane)?;
-                // Its creator holds no slot of it: nothing to borrow.
-                let borrows = tag != 0 && !arena.is_creator();
-                carried.push(if borrows { lane.via((dev, ino), tag) } else { None });
-                arenas.push(arena);
-            }
-            (Some(_), None) => {
-                return Err(Error::invalid("a segment named by identity outside a queue's lane"))
-            }
-            (None, Some(_)) => return Err(Error::invalid("a lane message with a segment descriptor")),
-        }
-    }
-    let storages = resolve_storages(&header.storages, &mut lists, borrow, &mut fds)?;
-    for fd in lists.carried.drain(..).flatten() {
-        // Closed now, later (after the reply), or when the slots that borrow it go.
-        match Arc::try_unwrap(fd) {
-            Ok(fd) if borrow => crate::arena::let_go(fd),
-            _ => {}
-        }
-    }
-    lists.header = header;
-    lists.put_back();
+    let (body, storages, fds) = Lists::with(|lists| resolve_message(message, fds, borrow, lane, lists))?;
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
     struct Reset;
     impl Drop for Reset {
@@ -175,6 +129,64 @@ fn lane_arena(d: &SegmentDesc, id: FileId, lane: &dyn super::LaneArenas) -> Resu
     }
     let fd = lane.fetch(id)?;
     resolve_arena(d, fd.as_fd(), Some(id))
+}
+
+/// The first part of decoding a message: its header read into `lists`, its arenas and its
+/// storages resolved. Returns where the value starts, the storages, and the descriptors
+/// the value may still take.
+fn resolve_message(
+    message: &[u8],
+    fds: Vec<OwnedFd>,
+    borrow: bool,
+    lane: Option<&dyn super::LaneArenas>,
+    lists: &mut Lists,
+) -> Result<(usize, Vec<Storage>, Vec<Option<OwnedFd>>)> {
+    let mut header = std::mem::take(&mut lists.header);
+    let body = header::parse_into(message, &mut header)?;
+    if fds.len() != header.nfds as usize {
+        return Err(Error::invalid(format!(
+            "the message names {} descriptors but {} came with it",
+            header.nfds,
+            fds.len()
+        )));
+    }
+    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+    // The arenas' descriptors stay open until this process holds its own locks on the
+    // slots it keeps, or borrows their holds: until then they are what holds them. (A lane
+    // message's are parked in its queue's directory until this process is done with it.)
+    let Lists { arenas, carried, .. } = &mut *lists;
+    for d in &header.segments {
+        match (d.id, lane) {
+            (None, None) => {
+                let fd = fds.get_mut(d.fd as usize).and_then(Option::take).ok_or_else(|| {
+                    Error::invalid(format!("segment descriptor {} is missing or used twice", d.fd))
+                })?;
+                arenas.push(resolve_arena(d, fd.as_fd(), None)?);
+                carried.push(Some(Arc::new(fd)));
+            }
+            (Some((dev, ino, tag)), Some(lane)) => {
+                let arena = lane_arena(d, (dev, ino), lane)?;
+                // Its creator holds no slot of it: nothing to borrow.
+                let borrows = tag != 0 && !arena.is_creator();
+                carried.push(if borrows { lane.via((dev, ino), tag) } else { None });
+                arenas.push(arena);
+            }
+            (Some(_), None) => {
+                return Err(Error::invalid("a segment named by identity outside a queue's lane"))
+            }
+            (None, Some(_)) => return Err(Error::invalid("a lane message with a segment descriptor")),
+        }
+    }
+    let storages = resolve_storages(&header.storages, lists, borrow, &mut fds)?;
+    for fd in lists.carried.drain(..).flatten() {
+        // Closed now, later (after the reply), or when the slots that borrow it go.
+        match Arc::try_unwrap(fd) {
+            Ok(fd) if borrow => crate::arena::let_go(fd),
+            _ => {}
+        }
+    }
+    lists.header = header;
+    Ok((body, storages, fds))
 }
 
 /// Resolves every storage of the table: the storage this process already has for a slot,

@@ -28,19 +28,23 @@ thread_local! {
 const ROOM: usize = 1024;
 
 impl Lists {
-    /// This thread's lists (empty ones if a decode under way has them).
-    pub(super) fn take() -> Lists {
-        LISTS.with(|l| l.take())
+    /// Runs `f` with this thread's lists (new empty ones if a decode under way in this
+    /// thread has them), used in place and emptied afterwards, also when `f` panics.
+    pub(super) fn with<R>(f: impl FnOnce(&mut Lists) -> R) -> R {
+        struct Emptied<'a>(std::cell::RefMut<'a, Lists>);
+        impl Drop for Emptied<'_> {
+            fn drop(&mut self) {
+                self.0.empty();
+            }
+        }
+        LISTS.with(|l| match l.try_borrow_mut() {
+            Ok(kept) => f(&mut Emptied(kept).0),
+            Err(_) => f(&mut Lists::default()),
+        })
     }
 
-    /// Empties the lists and keeps them for the next message, unless one has grown large.
-    pub(super) fn put_back(mut self) {
-        self.header.segments.clear();
-        self.header.storages.clear();
-        self.arenas.clear();
-        self.carried.clear();
-        self.new.clear();
-        self.slots.clear();
+    /// Empties the lists for the next message, and lets them go if one has grown large.
+    fn empty(&mut self) {
         let rooms = [
             self.header.segments.capacity(),
             self.header.storages.capacity(),
@@ -49,8 +53,15 @@ impl Lists {
             self.new.capacity(),
             self.slots.capacity(),
         ];
-        if rooms.into_iter().all(|c| c <= ROOM) {
-            LISTS.with(|l| *l.borrow_mut() = self);
+        if rooms.into_iter().any(|c| c > ROOM) {
+            *self = Lists::default();
+            return;
         }
+        self.header.segments.clear();
+        self.header.storages.clear();
+        self.arenas.clear();
+        self.carried.clear();
+        self.new.clear();
+        self.slots.clear();
     }
 }
