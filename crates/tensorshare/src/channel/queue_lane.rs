@@ -274,9 +274,9 @@ impl Core {
         let awake = self.control.awake();
         let bell = awake.bell;
         let mut waiting = false;
-        let mut spin_until = Instant::now() + SPIN;
-        let mut yield_after = spin_until;
-        let mut empty_since: Option<Instant> = None;
+        // Once a look found nothing: when, until when to poll, and when to start yielding
+        // (no clock is read before that: a value already there is returned without).
+        let mut empty_since: Option<(Instant, Instant, Instant)> = None;
         // The latest reading of the clock while polling (none after a sleep).
         let mut seen: Option<Instant> = None;
         let mut closed = false;
@@ -292,7 +292,7 @@ impl Core {
             // Read before looking: a message sent after the look rings after this read.
             let rung = bell.rung();
             if let Some(v) = self.look(&mut waiting, std::mem::take(&mut sure))? {
-                if let Some(since) = empty_since {
+                if let Some((since, ..)) = empty_since {
                     // A wait caught while polling ended less than a batch of looks after
                     // the last reading (see `watch`): close enough for the window, and one
                     // reading fewer on the way to the value.
@@ -301,20 +301,18 @@ impl Core {
                 }
                 return v;
             }
-            let since = match empty_since {
-                Some(s) => s,
+            let (since, spin_until, yield_after, now) = match empty_since {
+                Some((since, spin_until, yield_after)) => (since, spin_until, yield_after, Instant::now()),
                 None => {
                     // Nothing yet: time for what the last receive left for later (see
                     // `socket::recv_taken`).
                     crate::arena::idle();
                     let s = Instant::now();
-                    empty_since = Some(s);
-                    spin_until = if bell.sender_shares_this_cpu() { s } else { s + awake.patience.window() };
-                    yield_after = s + SPIN;
-                    s
+                    let until = if bell.sender_shares_this_cpu() { s } else { s + awake.patience.window() };
+                    empty_since = Some((s, until, s + SPIN));
+                    (s, until, s + SPIN, s)
                 }
             };
-            let now = Instant::now();
             seen = Some(now);
             if now < spin_until && !deadline.passed(now) {
                 seen = watch(bell, rung, spin_until, yield_after, deadline).or(seen);
