@@ -99,6 +99,20 @@ thread_local! {
     static SPARE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+/// Asks the CPU to bring the cache line of `p` into its cache for writing, without waiting.
+#[inline(always)]
+fn prefetch_for_write(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHW is a hint: it reads and writes nothing the program can see, never
+    // faults whatever the address, and does nothing on a CPU without it (it decodes as a
+    // NOP there). It touches no register but its address operand, and no flags or stack.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Gives back the buffer of a message taken from a lane (`Look::Took`) once it is read.
 pub(crate) fn give_back(mut bytes: Vec<u8>) {
     if bytes.capacity() <= CELL_BYTES {
@@ -192,6 +206,17 @@ impl<'a> Ring<'a> {
         let ends = self.ends();
         let head = ends.head.load(Ordering::SeqCst);
         ends.tail.load(Ordering::SeqCst).wrapping_sub(head) as i64 <= 0
+    }
+
+    /// Asks this CPU to fetch, for writing, the lines a claim of the next position writes
+    /// (`tail`, and that cell's head, where a small message lies too), without waiting for
+    /// them: a put that encodes its message meanwhile then finds them its own, instead of
+    /// stalling on each while the consumer's copies (which its looks leave) are taken back.
+    /// Only a hint: nothing any process reads changes.
+    pub(crate) fn prepare_claim(&self) {
+        let t = self.ends().tail.load(Ordering::Relaxed);
+        prefetch_for_write(std::ptr::from_ref(self.ends()).cast());
+        prefetch_for_write(self.cell_at(t));
     }
 
     /// Claims the next position for a message.
