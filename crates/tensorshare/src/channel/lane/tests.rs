@@ -154,3 +154,30 @@ fn a_peers_positions_near_the_end_of_u64_are_no_panic() {
     let _ = ring.first_open_window();
     assert!(matches!(ring.take(), Look::Empty | Look::Waiting { .. }));
 }
+
+/// How many messages wait is the claimed positions not yet taken (positions wrap: a tail
+/// one behind the head is none), and stays within a lap whatever a peer writes into `tail`
+/// and `head`.
+#[test]
+fn waiting_counts_claimed_positions_not_taken_and_stays_within_a_lap() {
+    let seg = ring_segment();
+    // SAFETY: as above.
+    let ring = unsafe { Ring::new(&seg) };
+    ring.init();
+    assert_eq!(ring.waiting(), 0);
+    for i in 0..3u64 {
+        let Claim::At(p) = ring.claim() else { panic!("full at {i}") };
+        ring.write(p, &i.to_le_bytes());
+        assert!(ring.publish(p));
+    }
+    assert_eq!(ring.waiting(), 3);
+    let Look::Took { pos, .. } = ring.take() else { panic!("nothing") };
+    ring.done(pos);
+    assert_eq!(ring.waiting(), 2);
+    let ends = ring.ends();
+    for (tail, head, want) in [(5, 9, 0), (u64::MAX, 0, 0), (1 << 40, 3, CELLS as usize), (0, u64::MAX, 1)] {
+        ends.tail.store(tail, Ordering::SeqCst);
+        ends.head.store(head, Ordering::SeqCst);
+        assert_eq!(ring.waiting(), want, "tail {tail}, head {head}");
+    }
+}
