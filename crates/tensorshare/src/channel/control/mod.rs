@@ -31,7 +31,7 @@ pub(super) const UNBOUNDED: u32 = u32::MAX;
 
 /// What a control block holds in its last 8 bytes, written once by its creator: a received
 /// memfd without it (an arena, say) is not taken for a queue.
-const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE3");
+const MAGIC: u64 = u64::from_le_bytes(*b"TSQUEUE4");
 const MAGIC_AT: usize = super::lane::RING_AT - 8;
 /// The byte whose OFD write lock is the lane directory's lock (byte 0 holds the queue).
 const DIRECTORY_LOCK: i64 = 1;

@@ -194,12 +194,18 @@ impl<'a> Ring<'a> {
         self.ends().tail.load(Ordering::Acquire)
     }
 
-    /// How many positions are claimed and not taken yet: the messages waiting in the lane,
-    /// and those being written (at most a lap: a peer may have written anything).
+    /// How many messages wait in the lane: positions claimed and not taken yet whose message
+    /// is published or being written. Positions given up (their message went through the
+    /// socket, where it is counted), skipped or ended early are not counted. At most a lap,
+    /// whatever a peer wrote.
     pub(crate) fn waiting(&self) -> usize {
         let ends = self.ends();
         let head = ends.head.load(Ordering::Acquire);
-        (ends.tail.load(Ordering::Acquire).wrapping_sub(head) as i64).clamp(0, CELLS as i64) as usize
+        let claimed = (ends.tail.load(Ordering::Acquire).wrapping_sub(head) as i64).clamp(0, CELLS as i64);
+        (0..claimed as u64)
+            .map(|i| head.wrapping_add(i))
+            .filter(|&q| matches!(self.cell(q).seq.load(Ordering::Acquire).wrapping_sub(q), 0 | 1))
+            .count()
     }
 
     /// Whether nothing is claimed past what consumers have taken.

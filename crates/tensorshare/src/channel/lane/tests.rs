@@ -155,11 +155,12 @@ fn a_peers_positions_near_the_end_of_u64_are_no_panic() {
     assert!(matches!(ring.take(), Look::Empty | Look::Waiting { .. }));
 }
 
-/// How many messages wait is the claimed positions not yet taken (positions wrap: a tail
-/// one behind the head is none), and stays within a lap whatever a peer writes into `tail`
-/// and `head`.
+/// How many messages wait: claimed positions not yet taken whose message is published or
+/// being written. A position given up (its message went through the socket) or skipped is
+/// not one; positions wrap (a tail one behind the head is none); whatever a peer writes into
+/// `tail` and `head`, the count stays within a lap.
 #[test]
-fn waiting_counts_claimed_positions_not_taken_and_stays_within_a_lap() {
+fn waiting_counts_messages_not_positions_given_up_and_stays_within_a_lap() {
     let seg = ring_segment();
     // SAFETY: as above.
     let ring = unsafe { Ring::new(&seg) };
@@ -174,10 +175,22 @@ fn waiting_counts_claimed_positions_not_taken_and_stays_within_a_lap() {
     let Look::Took { pos, .. } = ring.take() else { panic!("nothing") };
     ring.done(pos);
     assert_eq!(ring.waiting(), 2);
+    // One being written counts; one given up does not, nor one skipped as stuck.
+    let Claim::At(writing) = ring.claim() else { panic!() };
+    assert_eq!(ring.waiting(), 3);
+    let Claim::At(given_up) = ring.claim() else { panic!() };
+    ring.abandon(given_up);
+    assert_eq!(ring.waiting(), 3);
+    ring.skip(writing, writing);
+    assert_eq!(ring.waiting(), 2);
     let ends = ring.ends();
-    for (tail, head, want) in [(5, 9, 0), (u64::MAX, 0, 0), (1 << 40, 3, CELLS as usize), (0, u64::MAX, 1)] {
+    for (tail, head) in [(5, 9), (u64::MAX, 0), (1 << 40, 3), (0, u64::MAX), (u64::MAX, 1 << 63)] {
         ends.tail.store(tail, Ordering::SeqCst);
         ends.head.store(head, Ordering::SeqCst);
-        assert_eq!(ring.waiting(), want, "tail {tail}, head {head}");
+        let n = ring.waiting();
+        assert!(n <= CELLS as usize, "tail {tail}, head {head}: {n}");
+        if tail.wrapping_sub(head) as i64 <= 0 {
+            assert_eq!(n, 0, "tail {tail} not past head {head}");
+        }
     }
 }
