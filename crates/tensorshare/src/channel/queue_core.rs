@@ -150,8 +150,11 @@ impl Core {
         value: &T,
         deadline: Deadline,
     ) -> Result<()> {
-        // The lines a lane put writes are fetched while the message is encoded.
-        self.control.lane().prepare_claim();
+        // The lines a lane put writes are fetched while the message is encoded (not while
+        // someone waits on the socket: messages then go there).
+        if !self.control.polled() {
+            self.control.lane().prepare_claim();
+        }
         let mut msg = wire::encode_for_lane(value, super::lane::CELL_BYTES)?;
         if deadline.slice().is_none() && self.control.is_full() {
             // `try_put` on a full queue: no place now, so no framing (a large message would

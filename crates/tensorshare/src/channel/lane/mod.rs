@@ -47,6 +47,7 @@
 //! out and checked before use, and every loop here is bounded.
 
 pub(super) mod directory;
+mod prefetch;
 mod windows;
 
 use std::marker::PhantomData;
@@ -98,20 +99,6 @@ thread_local! {
     /// The buffer of a message taken from a lane in this thread and read (see `give_back`),
     /// for the next message taken: a take allocates nothing.
     static SPARE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-/// Asks the CPU to bring the cache line of `p` into its cache for writing, without waiting.
-#[inline(always)]
-fn prefetch_for_write(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: PREFETCHW is a hint: it reads and writes nothing the program can see, never
-    // faults whatever the address, and does nothing on a CPU without it (it decodes as a
-    // NOP there). It touches no register but its address operand, and no flags or stack.
-    unsafe {
-        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// Gives back the buffer of a message taken from a lane (`Look::Took`) once it is read.
@@ -222,8 +209,8 @@ impl<'a> Ring<'a> {
     /// Only a hint: nothing any process reads changes.
     pub(crate) fn prepare_claim(&self) {
         let t = self.ends().tail.load(Ordering::Relaxed);
-        prefetch_for_write(std::ptr::from_ref(self.ends()).cast());
-        prefetch_for_write(self.cell_at(t));
+        prefetch::for_write(std::ptr::from_ref(self.ends()).cast());
+        prefetch::for_write(self.cell_at(t));
     }
 
     /// Claims the next position for a message.
@@ -316,6 +303,8 @@ impl<'a> Ring<'a> {
                         return Look::Took { pos: h, bytes: Err(len) };
                     }
                     let mut bytes = SPARE.try_with(|b| b.take()).unwrap_or_default();
+                    // Exactly: a buffer grown past a cell would not be kept (`give_back`).
+                    bytes.reserve_exact(len);
                     bytes.resize(len, 0);
                     // SAFETY: as in `write`: len <= CELL_BYTES bytes of the cell's data.
                     unsafe { crate::atomic_bytes::load(self.cell_at(h).add(CELL_HEAD), &mut bytes) };
