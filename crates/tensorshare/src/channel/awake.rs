@@ -141,7 +141,8 @@ impl Patience {
 /// Spins until `bell` moves from `rung`, the spin window closes or the deadline passes;
 /// from `yield_after` on, gives the CPU to other ready work every `YIELD_EVERY`. Returns
 /// its last reading of the clock, if it read it: the bell moved at most one batch of looks
-/// after it (a wait that ended while polling is learnt from it, with no reading more).
+/// after it (a wait that ended while polling is learnt from it, with no reading more), or
+/// during the yield just before it.
 pub(super) fn watch(
     bell: &Bell,
     rung: u32,
@@ -167,6 +168,9 @@ pub(super) fn watch(
         if now >= next_yield {
             rustix::thread::sched_yield();
             next_yield = now + YIELD_EVERY;
+            // The yield may have given the CPU away for a whole slice: a bell that moved
+            // meanwhile is then learnt from its end, not from before it.
+            seen = Some(Instant::now());
         }
     }
 }
