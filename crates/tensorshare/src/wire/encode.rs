@@ -74,7 +74,7 @@ impl EncodeCtx {
     }
 
     /// The context of the message being serialized on this thread, if one is.
-    fn active(&mut self) -> Result<&mut EncodeCtx> {
+    fn if_active(&mut self) -> Result<&mut EncodeCtx> {
         match self.active {
             true => Ok(self),
             false => Err(Error::Serialize("not encoding a message".into())),
@@ -222,7 +222,7 @@ fn lane_form(
 
 /// Adds a descriptor to the message being encoded; returns its index.
 pub(crate) fn encode_fd(source: FdSource) -> Result<u32> {
-    ENCODING.with(|c| Ok(push_fd(c.borrow_mut().active()?, source)))
+    ENCODING.with(|c| Ok(push_fd(c.borrow_mut().if_active()?, source)))
 }
 
 fn push_fd(ctx: &mut EncodeCtx, source: FdSource) -> u32 {
@@ -237,7 +237,7 @@ fn push_fd(ctx: &mut EncodeCtx, source: FdSource) -> u32 {
 pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
     ENCODING.with(|c| {
         let mut c = c.borrow_mut();
-        let ctx = c.active()?;
+        let ctx = c.if_active()?;
         let key = Arc::as_ptr(&storage.inner);
         if let Some(&i) = ctx.storage_index.get(&key) {
             return Ok(i);

@@ -147,7 +147,9 @@ impl Encoded {
 /// Whether a value is being encoded into a message on this thread (tensors then serialize
 /// as handles, otherwise by value).
 pub(crate) fn encoding() -> bool {
-    // Borrowed for writing: the message's value is serialized already (see `encode`).
+    // Borrowed for writing: the context is being written to (adding a storage or a
+    // descriptor, which asks nothing of this), or the value is serialized already and the
+    // message is being finished (see `encode`).
     ENCODING.with(|c| c.try_borrow().is_ok_and(|c| c.active))
 }
 
