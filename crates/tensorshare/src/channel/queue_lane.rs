@@ -50,13 +50,17 @@ pub(super) struct LaneLocal {
     /// A `Weak` keeps the allocation, so a live description is never mistaken for another.
     parked: Vec<(Weak<OwnedFd>, u64)>,
     /// Arenas this queue's directory has shown this process: the only ones a lane message
-    /// may name from this process's receive cache.
-    known: HashSet<FileId>,
+    /// may name from this process's receive cache. (Device and inode numbers the kernel
+    /// gave, of descriptors found in the directory: no peer picks them freely.)
+    known: HashSet<FileId, std::hash::BuildHasherDefault<crate::util::FastHasher>>,
     /// Send descriptions found in the directory under a tag, whose holds this process
     /// borrows (see `arenas`).
     borrowed: Vec<Borrowed>,
     /// The position of this process's latest lane message.
     last: Option<u64>,
+    /// The window of the latest lane message this process took, when it last let go of
+    /// the borrowed descriptions of windows over (see `arenas::forget_old`): once per window.
+    forgot_at: u64,
     /// A lane position seen claimed and unpublished: (position, sequence word, since when).
     stuck: Option<(u64, u64, Instant)>,
 }
@@ -201,7 +205,14 @@ impl Core {
             }
         }
         let _done = Done(self.lane_ring(), pos);
-        arenas::forget_old(&mut lock(&self.lane).borrowed, Ring::window(pos));
+        {
+            let mut l = lock(&self.lane);
+            let window = Ring::window(pos);
+            if window != l.forgot_at {
+                l.forgot_at = window;
+                arenas::forget_old(&mut l.borrowed, window);
+            }
+        }
         self.control.release();
         let bytes =
             bytes.map_err(|n| Error::invalid(format!("a lane message of {n} bytes, more than a cell")))?;
