@@ -56,7 +56,9 @@ impl serde::Serialize for PanicsAfter {
 #[test]
 fn a_serialization_that_panics_leaves_the_next_message_its_own_context() {
     let named = Tensor::empty_shared(&[8], DType::F32).unwrap();
-    let panicked = std::panic::catch_unwind(|| crate::wire::encode(&PanicsAfter(named.clone())));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::wire::encode(&PanicsAfter(named.clone()))
+    }));
     assert!(panicked.is_err());
     assert!(!crate::wire::encoding(), "no message is being encoded");
     let other = Tensor::full(&[4], 3.0f32);
