@@ -7,10 +7,11 @@
 use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 
-use dlpark::ffi::{DLDataType, DLDevice, DLManagedTensor, DLTensor};
+use dlpark::ffi::{DLDevice, DLManagedTensor, DLTensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use tensorshare::interop::dlpack::dl_dtype;
 use tensorshare::DType;
 
 use crate::Block;
@@ -27,22 +28,6 @@ struct Export {
     shape: i64,
     stride: i64,
     block: Py<Block>,
-}
-
-/// The DLPack type of a tensorshare dtype, as torch reads it.
-fn dl_dtype(d: DType) -> DLDataType {
-    match d {
-        DType::Bool => DLDataType::BOOL,
-        DType::U8 => DLDataType::U8,
-        DType::I8 => DLDataType::I8,
-        DType::I16 => DLDataType::I16,
-        DType::I32 => DLDataType::I32,
-        DType::I64 => DLDataType::I64,
-        DType::F16 => DLDataType::F16,
-        DType::BF16 => DLDataType::BF16,
-        DType::F32 => DLDataType::F32,
-        DType::F64 => DLDataType::F64,
-    }
 }
 
 /// A flat tensor of `dtype` over the whole of `block`, made by `from_dlpack`

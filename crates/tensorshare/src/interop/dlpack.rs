@@ -93,8 +93,9 @@ impl Drop for Export {
     }
 }
 
-/// The DLPack type of a tensorshare dtype.
-fn dl_dtype(d: DType) -> DLDataType {
+/// The DLPack type of a tensorshare dtype (the table above), for code that makes DLPack
+/// descriptors of its own over tensorshare memory, as the Python package does for torch.
+pub fn dl_dtype(d: DType) -> DLDataType {
     match d {
         DType::Bool => DLDataType::BOOL,
         DType::U8 => DLDataType::U8,
