@@ -49,7 +49,7 @@ pub(crate) struct Api {
     storage_nbytes: Method,
     storage_device: Getter,
     storage_copy: Method,
-    /// `None` before torch 2.3, which cannot swap a storage's memory.
+    /// `None` before torch 2.12, which cannot swap a storage's memory.
     storage_swap: Option<Method>,
     empty_strided: Py<PyAny>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
@@ -470,6 +470,12 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     Ok(Some(Value::Tensor(t)))
 }
 
+/// Why a storage cannot be moved into shared memory by a torch without
+/// `UntypedStorage._swap_data_ptr_`, which came with torch 2.12.
+const MOVE_NEEDS_SWAP: &str = "this torch cannot move a storage into shared memory in place (torch >= 2.12 can, \
+    by UntypedStorage._swap_data_ptr_), so a CPU tensor not made in shared memory cannot be sent: upgrade torch, \
+    or make the tensor with tensorshare.empty_shared";
+
 /// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
 /// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
 /// (about 2 µs) only small storages notice.
@@ -487,9 +493,9 @@ pub(crate) fn move_storage_whole<'py>(
 
 /// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
 /// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it
-/// follows. Where torch cannot swap a storage's memory (before 2.3), `_reduction` does it for
-/// the one tensor being sent. `on_cpu`: the caller has seen that the storage is on the CPU
-/// (a CPU tensor's), which is then not asked again.
+/// follows. A torch before 2.12 cannot swap a storage's memory: the move is refused there,
+/// with what to do instead, and the storage is left as it was. `on_cpu`: the caller has seen
+/// that the storage is on the CPU (a CPU tensor's), which is then not asked again.
 pub(crate) fn move_storage<'py>(
     py: Python<'py>,
     api: &Api,
@@ -497,13 +503,13 @@ pub(crate) fn move_storage<'py>(
     nbytes: usize,
     on_cpu: bool,
 ) -> PyResult<Bound<'py, Block>> {
-    let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     if nbytes == 0 {
-        return Ok(block);
+        return Bound::new(py, crate::empty_block(py, nbytes)?);
     }
     let Some(swap) = &api.storage_swap else {
-        return Err(PyRuntimeError::new_err("this torch cannot move a storage in place (torch >= 2.3 can)"));
+        return Err(PyRuntimeError::new_err(MOVE_NEEDS_SWAP));
     };
+    let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     let flat = flat_tensor(py, api, &block, DType::U8)?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
     // The storage takes the block's memory, and the reference to the block that keeps it

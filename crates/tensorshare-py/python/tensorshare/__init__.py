@@ -87,11 +87,14 @@ def share_memory_(t):
     """Moves ``t``'s storage into shared memory (a no-op when it is there); returns ``t``.
 
     The move is in place, as torch's own ``share_memory_()``: the storage takes the new
-    memory, so every torch tensor viewing it, taken before or after, follows (torch >= 2.3).
-    What views the old memory outside torch does not: a numpy array (``t.numpy()``) or a
-    DLPack capsule taken before the move views the old memory, which is freed with the move,
-    exactly as with torch's ``share_memory_()``. Take those after the move (or after the
-    tensor's first ``put``, which moves it the same way)."""
+    memory, so every torch tensor viewing it, taken before or after, follows. This needs
+    torch >= 2.12 (``UntypedStorage._swap_data_ptr_``); an older torch refuses the move with
+    a ``RuntimeError`` and leaves the tensor as it was.
+
+    What views the old memory outside torch does not follow: a numpy array (``t.numpy()``)
+    or a DLPack capsule taken before the move views the old memory, which is freed with the
+    move, exactly as with torch's ``share_memory_()``. Take those after the move (or after
+    the tensor's first ``put``, which moves it the same way)."""
     from ._reduction import _block_of_torch
 
     _block_of_torch(t)
