@@ -355,3 +355,42 @@ def test_functions_put_in_place_of_those_that_make_a_tensor_over_a_block_are_not
     out = run_python(PATCHED_MAKERS.format(targets=targets), timeout=LONG)
     assert out.returncode == 0, out.stderr
     assert "shared True calls 0" in out.stdout, out.stdout
+
+
+def _fake_torch(can_swap):
+    """A stand-in for the parts of torch ``patch_torch`` touches: ``UntypedStorage`` with
+    torch's two methods, under a ``StorageBase`` that has ``_swap_data_ptr_`` (torch >= 2.12)
+    or not."""
+    import types
+
+    base = type("StorageBase", (), {"_swap_data_ptr_": lambda self, other: None} if can_swap else {})
+
+    class UntypedStorage(base):
+        def is_shared(self):
+            return False
+
+        def share_memory_(self):
+            return "torch's own"
+
+    return types.SimpleNamespace(UntypedStorage=UntypedStorage, _C=types.SimpleNamespace(StorageBase=base))
+
+
+@pytest.mark.parametrize("can_swap", [True, False])
+def test_a_torch_that_cannot_move_a_storage_in_place_keeps_its_own_share_memory_(can_swap):
+    # Before torch 2.12 a storage cannot take new memory in place, so tensorshare cannot move
+    # one into a block: its share_memory_() would only raise, where torch's own works (a
+    # model's share_memory() failed on torch 2.3.1 once tensorshare was imported). There,
+    # torch's stays; is_shared learns the blocks either way.
+    from tensorshare import _reduction
+
+    fake = _fake_torch(can_swap)
+    torch_share_memory_ = fake.UntypedStorage.share_memory_
+    torch_is_shared = fake.UntypedStorage.is_shared
+    _reduction.patch_torch(fake)
+    assert fake.UntypedStorage._tensorshare_patched
+    assert fake.UntypedStorage.is_shared is not torch_is_shared
+    if can_swap:
+        assert fake.UntypedStorage.share_memory_ is not torch_share_memory_
+    else:
+        assert fake.UntypedStorage.share_memory_ is torch_share_memory_
+        assert fake.UntypedStorage().share_memory_() == "torch's own"

@@ -90,7 +90,11 @@ def patch_torch(torch):
     for a storage in a block, and ``share_memory_()`` moves a CPU storage into a block (in
     place, as torch's does) instead of into torch's own shared memory, so that a model's
     ``share_memory()`` before forking workers, and sending it later, share one memory. A
-    storage torch had already put in its own shared memory stays there."""
+    storage torch had already put in its own shared memory stays there.
+
+    A torch that cannot move a storage in place (before 2.12, see ``can_move_in_place``)
+    keeps its own ``share_memory_()``: importing tensorshare must not make a call that works
+    in torch fail."""
     cls = torch.UntypedStorage
     if getattr(cls, "_tensorshare_patched", False):
         return
@@ -110,8 +114,16 @@ def patch_torch(torch):
     is_shared.__doc__ = torch_is_shared.__doc__
     share_memory_.__doc__ = torch_share_memory_.__doc__
     cls.is_shared = is_shared
-    cls.share_memory_ = share_memory_
+    if can_move_in_place(torch):
+        cls.share_memory_ = share_memory_
     cls._tensorshare_patched = True
+
+
+def can_move_in_place(torch):
+    """Whether this torch's storages can take new memory in place
+    (``UntypedStorage._swap_data_ptr_``, torch >= 2.12), which moving a storage into a block
+    needs; the extension looks for the same method of the same C type."""
+    return "_swap_data_ptr_" in vars(torch._C.StorageBase)
 
 
 class _TorchHook:
