@@ -1,10 +1,12 @@
 //! torch tensors to and from tensorshare tensors, in Rust: the hot path of every queue.
 //!
 //! A torch tensor whose storage starts at a live [`Block`] travels as a handle to that
-//! block; one whose storage lives elsewhere is moved into a new block first (in Python,
-//! `_reduction.move_into_block`, once per storage). A received tensor becomes a torch tensor
-//! over the torch storage of its block, one torch storage per block while it lives, so that
-//! tensors received from one storage share one torch storage here too.
+//! block; one whose storage lives elsewhere is moved into a new block first, once per
+//! storage, unless this torch cannot move it or has it in its own shared memory already
+//! (see [`moves_into_block`]: it is then pickled with torch's own reductions). A received
+//! tensor becomes a torch tensor over the torch storage of its block, one torch storage per
+//! block while it lives, so that tensors received from one storage share one torch storage
+//! here too.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -49,8 +51,12 @@ pub(crate) struct Api {
     storage_nbytes: Method,
     storage_device: Getter,
     storage_copy: Method,
-    /// `None` before torch 2.12, which cannot swap a storage's memory.
+    /// `None` before torch 2.12, which cannot swap a storage's memory: a CPU tensor whose
+    /// storage is in no block is then not a handle (see [`moves_into_block`]).
     storage_swap: Option<Method>,
+    /// torch's own `is_shared`, which the package's replacement of
+    /// `UntypedStorage.is_shared` (true for blocks too) leaves as it was.
+    storage_is_shared: Method,
     empty_strided: Py<PyAny>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
     /// GIL let go: a Python thread forking then would leave it half filled in its child.
@@ -124,7 +130,10 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             .iter()
             .map(|d| torch.getattr(d.torch_name()).map(Bound::unbind))
             .collect::<PyResult<Vec<_>>>()?;
-        let swap = storage_base.getattr("__dict__")?.contains("_swap_data_ptr_")?;
+        // The Python side asks the same function whether to replace torch's
+        // `share_memory_()`, and which way to pickle a storage outside a block: one answer.
+        let swap: bool =
+            py.import("tensorshare._reduction")?.call_method1("can_move_in_place", (&torch,))?.extract()?;
         Ok::<_, PyErr>(Api {
             tensor: torch.getattr("Tensor")?.unbind(),
             parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
@@ -148,6 +157,7 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_nbytes: Method::new(&storage_base, "nbytes")?,
             storage_device: Getter::new(&storage_base, "device")?,
             storage_copy: Method::new(&storage_base, "copy_")?,
+            storage_is_shared: Method::new(&storage_base, "is_shared")?,
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             empty_strided: torch.getattr("empty_strided")?.unbind(),
             key_dtype: PyString::new(py, "dtype").unbind(),
@@ -423,17 +433,46 @@ fn usizes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 }
 
 /// Whether `obj` is a torch tensor that [`to_tensor`] sends as a handle: one of a kind that
-/// does ([`handle_kind`]), on the CPU or the meta device (a tensor elsewhere is an error at
-/// the top of a value, and left to torch's pickling inside an object).
+/// does ([`handle_kind`]), on the meta device, or on the CPU with its storage in a block or
+/// to be moved into one ([`moves_into_block`]; a tensor elsewhere is an error at the top of
+/// a value, and left to torch's pickling inside an object).
 pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     if handle_kind(py, api, obj)?.is_none() {
         return Ok(false);
     }
-    Ok(api.t.is_meta.get(obj)?.extract::<bool>()? || api.t.is_cpu.get(obj)?.extract::<bool>()?)
+    if api.t.is_meta.get(obj)?.extract::<bool>()? {
+        return Ok(true);
+    }
+    if !api.t.is_cpu.get(obj)?.extract::<bool>()? {
+        return Ok(false);
+    }
+    let storage = api.t.untyped_storage.call0(obj)?;
+    Ok(block_of(py, api, &storage)?.0.is_some() || moves_into_block(api, &storage)?)
+}
+
+/// Whether CPU `storage`, in no block, is moved into one to be sent. Not where this torch
+/// cannot move it (before 2.12), nor where torch has it in its own shared memory already:
+/// other processes may map it there (torch's queues, a DataLoader's workers, a model shared
+/// before tensorshare was imported), and a move would leave them apart from this one. Both
+/// are pickled with torch's own reductions instead (`_reduction.torch_reduction`), which
+/// share the storage where it is, as torch.multiprocessing would.
+fn moves_into_block(api: &Api, storage: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(api.storage_swap.is_some() && !api.storage_is_shared.call0(storage)?.extract::<bool>()?)
+}
+
+/// The live block `storage` (a CPU storage) is in, if any, and the storage's size.
+fn block_of<'py>(
+    py: Python<'py>,
+    api: &Api,
+    storage: &Bound<'py, PyAny>,
+) -> PyResult<(Option<Bound<'py, Block>>, usize)> {
+    let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
+    let nbytes: usize = api.storage_nbytes.call0(storage)?.extract()?;
+    Ok((find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes), nbytes))
 }
 
 /// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
-/// as a handle (see [`handle_kind`]: it is pickled).
+/// as a handle (see [`handle_kind`] and [`is_handle`]: it is pickled).
 pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> {
     let Some((dtype, parameter)) = handle_kind(py, api, obj)? else { return Ok(None) };
     let a = &api.t;
@@ -455,11 +494,12 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let strides = usizes(&a.stride.call0(obj)?)?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
         let storage = a.untyped_storage.call0(obj)?;
-        let addr: usize = api.storage_data_ptr.call0(&storage)?.extract()?;
-        let nbytes: usize = api.storage_nbytes.call0(&storage)?.extract()?;
-        let block = match find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes) {
-            Some(b) => b,
-            None => move_storage(py, api, &storage, nbytes, true)?,
+        let block = match block_of(py, api, &storage)? {
+            (Some(b), _) => b,
+            (None, nbytes) if moves_into_block(api, &storage)? => {
+                move_storage(py, api, &storage, nbytes, true)?
+            }
+            (None, _) => return Ok(None),
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };
@@ -470,11 +510,13 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     Ok(Some(Value::Tensor(t)))
 }
 
-/// Why a storage cannot be moved into shared memory by a torch without
-/// `UntypedStorage._swap_data_ptr_`, which came with torch 2.12.
-const MOVE_NEEDS_SWAP: &str = "this torch cannot move a storage into shared memory in place (torch >= 2.12 can, \
-    by UntypedStorage._swap_data_ptr_), so a CPU tensor not made in shared memory cannot be sent: upgrade torch, \
-    or make the tensor with tensorshare.empty_shared";
+/// Why a storage cannot be moved into a block by a torch without
+/// `UntypedStorage._swap_data_ptr_`, which came with torch 2.12 (the package does not ask
+/// such a torch to: it shares such storages the way torch does).
+const MOVE_NEEDS_SWAP: &str =
+    "this torch cannot move a storage into a tensorshare block in place (torch >= 2.12 \
+    can, by UntypedStorage._swap_data_ptr_): use torch's own share_memory_(), or make the tensor with \
+    tensorshare.empty_shared";
 
 /// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
 /// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost

@@ -495,6 +495,48 @@ def test_a_tensor_torch_shared_keeps_its_memory_when_sent():
     assert torch.equal(t, torch.full((4,), 7.0))
 
 
+def _write_and_report(t, go, back):
+    assert go.wait(LONG)
+    back.put(t.tolist())
+    t[0] = 9.0
+    back.put(None)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, indirect=True)
+def test_a_tensor_in_torchs_own_shared_memory_stays_there_when_sent(strategy):
+    """A storage torch put in its own shared memory (its share_memory_() before tensorshare
+    was imported, its queues, a DataLoader's default workers) may be mapped by other
+    processes: a put leaves it there, and it is sent the way torch sends it."""
+    # Before: the put moved it into a block, and a child that had inherited it saw the
+    # parent's later writes no more.
+    ctx = mp.get_context("fork")
+    t = torch.zeros(3)
+    storage = t.untyped_storage()
+    if strategy == "file_descriptor":
+        storage._share_fd_cpu_()  # what torch's share_memory_() and its reductions call
+    else:
+        storage._share_filename_cpu_()
+    address = t.data_ptr()
+    go, back = ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_write_and_report, args=(t, go, back))
+    p.start()
+    try:
+        q = mp.Queue()
+        q.put({"t": t, "storage": storage})
+        got = q.get(timeout=LONG)
+        assert t.data_ptr() == address  # left where it was
+        assert got["t"].data_ptr() == address and got["storage"].data_ptr() == address
+        t.fill_(5.0)
+        go.set()
+        assert back.get(timeout=LONG) == [5.0, 5.0, 5.0]  # the child still maps it
+        assert back.get(timeout=LONG) is None
+        assert got["t"].tolist() == [9.0, 5.0, 5.0]
+    finally:
+        go.set()
+        p.join(LONG)
+    assert p.exitcode == 0
+
+
 # ---------------------------------------------------------------- descriptors
 
 

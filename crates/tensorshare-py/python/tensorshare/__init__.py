@@ -87,17 +87,25 @@ def share_memory_(t):
     """Moves ``t``'s storage into shared memory (a no-op when it is there); returns ``t``.
 
     The move is in place, as torch's own ``share_memory_()``: the storage takes the new
-    memory, so every torch tensor viewing it, taken before or after, follows. This needs
-    torch >= 2.12 (``UntypedStorage._swap_data_ptr_``); an older torch refuses the move with
-    a ``RuntimeError`` and leaves the tensor as it was.
+    memory, so every torch tensor viewing it, taken before or after, follows. Moving into a
+    tensorshare block needs torch >= 2.12 (``UntypedStorage._swap_data_ptr_``); an older
+    torch moves the storage into its own shared memory instead (its ``share_memory_()``),
+    and queues send it the way torch sends it. A storage already in torch's own shared
+    memory stays there (other processes may map it), as torch's ``share_memory_()`` leaves it.
 
     What views the old memory outside torch does not follow: a numpy array (``t.numpy()``)
     or a DLPack capsule taken before the move views the old memory, which is freed with the
     move, exactly as with torch's ``share_memory_()``. Take those after the move (or after
     the tensor's first ``put``, which moves it the same way)."""
-    from ._reduction import _block_of_torch
+    from ._reduction import _is_ours, _torch, move_storage, torch_shares
 
-    _block_of_torch(t)
+    storage = t.untyped_storage()
+    if _is_ours(storage):
+        return t
+    if torch_shares(_torch(), storage):
+        t.share_memory_()  # torch's own, which leaves its own shared memory as it is
+    else:
+        move_storage(storage)
     return t
 
 

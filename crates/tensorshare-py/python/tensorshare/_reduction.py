@@ -68,12 +68,6 @@ def torch_storage(block):
     return _native.torch_storage(block)
 
 
-def move_into_block(t):
-    """Moves the storage of torch tensor ``t`` into a new block and returns the block (see
-    ``move_storage``)."""
-    return _native.move_storage(t.untyped_storage())
-
-
 def move_storage(storage):
     """Moves the CPU torch ``storage`` into a new block and returns the block: in place, as
     torch's ``share_memory_()`` does, so every tensor viewing that storage follows."""
@@ -122,8 +116,58 @@ def patch_torch(torch):
 def can_move_in_place(torch):
     """Whether this torch's storages can take new memory in place
     (``UntypedStorage._swap_data_ptr_``, torch >= 2.12), which moving a storage into a block
-    needs; the extension looks for the same method of the same C type."""
+    needs. The extension asks this function too, once, so both sides answer alike: where it
+    is False, a CPU storage in no block is shared the way torch shares it (``torch_shares``).
+    """
     return "_swap_data_ptr_" in vars(torch._C.StorageBase)
+
+
+def torch_shares(torch, untyped):
+    """Whether CPU storage ``untyped``, in no block, is shared the way torch shares it rather
+    than moved into a block: where this torch cannot move it (before 2.12), and where torch
+    has it in its own shared memory already, where other processes may map it (torch's
+    queues, a DataLoader's default workers, a model shared before tensorshare was imported).
+    The extension decides alike (``moves_into_block`` in ``torch.rs``)."""
+    return not can_move_in_place(torch) or torch._C.StorageBase.is_shared(untyped)
+
+
+def torch_reduction(obj):
+    """torch's own reduction (``torch.multiprocessing.reductions``) of ``obj`` when it is a
+    CPU tensor or storage in no block that torch shares (``torch_shares``): shared as
+    torch.multiprocessing shares it, in place, under the sharing strategy set here. None for
+    anything else, which is pickled as before (a storage in a block travels as a handle)."""
+    torch = _torch()
+    if torch is None:
+        return None
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg():
+            return None  # pickled by torch's __reduce_ex__, its storage reduced here
+        untyped = obj.untyped_storage()
+        kind = "reduce_tensor"
+    elif isinstance(obj, torch.UntypedStorage):
+        untyped = obj
+        kind = "reduce_storage"
+    elif isinstance(obj, torch.TypedStorage):
+        untyped = obj._untyped_storage  # (TypedStorage's own getters warn)
+        kind = "reduce_typed_storage" if type(obj) is torch.TypedStorage else "reduce_typed_storage_child"
+    else:
+        return None
+    if untyped.device.type != "cpu" or _is_ours(untyped) or not torch_shares(torch, untyped):
+        return None
+    import torch.multiprocessing as torch_mp
+    import torch.multiprocessing.reductions as reductions
+
+    strategy = _native.get_sharing_strategy()
+    if torch_mp.get_sharing_strategy() != strategy:
+        torch_mp.set_sharing_strategy(strategy)
+    try:
+        return getattr(reductions, kind)(obj)
+    except OSError as e:
+        # A storage torch maps from a file (torch.from_file(..., shared=True)) has no
+        # descriptor to send, in torch.multiprocessing too.
+        raise RuntimeError(
+            f"torch could not share this storage, which it maps itself ({e}); send a clone() instead"
+        ) from e
 
 
 class _TorchHook:
@@ -155,15 +199,6 @@ def install_torch_hook():
         patch_torch(torch)
     elif not any(isinstance(f, _TorchHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchHook())
-
-
-def _block_of_torch(t):
-    """The block ``t``'s storage lives in, moving it there first when it lives elsewhere."""
-    storage = t.untyped_storage()
-    block = _native.find_block(storage.data_ptr())
-    if block is not None and block.nbytes >= storage.nbytes():
-        return block
-    return move_into_block(t)
 
 
 def _block_of_array(a):
@@ -243,11 +278,21 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
             untyped = obj._untyped_storage if typed else obj  # (TypedStorage's own getters warn)
             if untyped.device.type != "cpu" or (typed and str(obj.dtype) not in _TORCH_NAMES):
                 return None
+            if not _is_ours(untyped) and torch_shares(torch, untyped):
+                return None  # torch's own reduction (reducer_override)
             view = torch.empty(0, dtype=obj.dtype if typed else torch.uint8)
             view.set_(untyped)
             self._inner.append(view)
             return ("storage", len(self._inner) - 1, typed)
         return None
+
+    def reducer_override(self, obj):
+        reduced = torch_reduction(obj)
+        if reduced is not None:
+            return reduced
+        if _cloudpickle is None:
+            return NotImplemented
+        return super().reducer_override(obj)
 
 
 def tensor_parts_cheap(obj):
