@@ -226,7 +226,16 @@ fn unlink_own_names() {
 /// `tensorshare::flush_queues`).
 #[pyfunction]
 fn flush_queues(py: Python<'_>) {
+    queue::wait_dropped(py);
     py.detach(tensorshare::flush_queues)
+}
+
+/// Waits until the queues this process dropped with values unwritten have written them out,
+/// while another process could read them: an exit handler, as multiprocessing joins its
+/// queues' feeder threads at exit (see `PyQueue`'s `drop`).
+#[pyfunction]
+fn wait_dropped_queues(py: Python<'_>) {
+    queue::wait_dropped(py)
 }
 
 /// Makes this process's puts on queues it inherited by fork go through an outbox of its own
@@ -260,6 +269,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(flush_queues, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_dropped_queues, m)?)?;
     m.add_function(wrap_pyfunction!(adopt_forked_queues, m)?)?;
     m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;

@@ -3,8 +3,10 @@
 //! `queue.Full`) and what multiprocessing's Pool needs of a queue (`poll`, `fileno`).
 
 use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
@@ -25,9 +27,75 @@ enum Inner {
 /// A queue between processes, Python or Rust, whose values are Python values.
 #[pyclass(name = "Queue", module = "tensorshare._native", frozen)]
 pub struct PyQueue {
-    inner: Inner,
+    /// Taken by `drop` (see there), and by nothing else.
+    inner: ManuallyDrop<Inner>,
     /// Values `poll` took off the queue, which this process's next `get`s return first.
     stash: Stash,
+}
+
+impl Inner {
+    fn has_unwritten(&self) -> bool {
+        match self {
+            Inner::Queue(q) => q.has_unwritten(),
+            Inner::Simple(q) => q.has_unwritten(),
+        }
+    }
+}
+
+impl Drop for PyQueue {
+    /// Dropping a queue's last handle in a process waits for what the process put and could
+    /// not write yet, while another process or a message in flight could still read it. A
+    /// Python queue is dropped where the GC lets it go, holding the GIL, and the reader may
+    /// be this very process (a message carrying the queue, waiting in another of its
+    /// queues): waiting there could hang it for good. So such a handle is dropped on a
+    /// thread of its own, as multiprocessing's feeder writes on after its queue is
+    /// collected, and the process waits for those threads before it leaves
+    /// ([`wait_dropped`]: `flush_queues`, and an exit handler).
+    fn drop(&mut self) {
+        // SAFETY: `drop` runs once, and `self.inner` is used by nothing after it.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        if !inner.has_unwritten() {
+            return;
+        }
+        let spawned = std::thread::Builder::new().name("tensorshare-drop".into()).spawn(move || drop(inner));
+        // Without a thread (none can be made), the handle was dropped here, waiting.
+        if let Ok(handle) = spawned {
+            let mut dropping = DROPPING.lock().unwrap_or_else(|p| p.into_inner());
+            keep_own(&mut dropping);
+            dropping.push((std::process::id(), handle));
+        }
+    }
+}
+
+/// The threads dropping queues (see `PyQueue`'s `drop`), with the process that started each.
+/// Used with the GIL held only (the GC's drops, `wait_dropped`), so no fork (which Python
+/// makes with the GIL held) finds the lock taken.
+static DROPPING: Mutex<Vec<(u32, JoinHandle<()>)>> = Mutex::new(Vec::new());
+
+/// Keeps only this process's own threads in `dropping`: in a forked child the parent's are
+/// not there, and their handles are forgotten, never joined or detached.
+fn keep_own(dropping: &mut Vec<(u32, JoinHandle<()>)>) {
+    let me = std::process::id();
+    let (mine, theirs): (Vec<_>, Vec<_>) =
+        std::mem::take(dropping).into_iter().partition(|(pid, _)| *pid == me);
+    theirs.into_iter().for_each(std::mem::forget);
+    // Finished ones go (their handles detach a thread that has ended).
+    dropping.extend(mine.into_iter().filter(|(_, h)| !h.is_finished()));
+}
+
+/// Waits until every queue this process dropped with values unwritten is dropped, its
+/// values written out while another process could read them.
+pub(crate) fn wait_dropped(py: Python<'_>) {
+    let handles = {
+        let mut dropping = DROPPING.lock().unwrap_or_else(|p| p.into_inner());
+        keep_own(&mut dropping);
+        std::mem::take(&mut *dropping)
+    };
+    py.detach(|| {
+        for (_, h) in handles {
+            let _ = h.join();
+        }
+    });
 }
 
 /// Values `poll` took off a queue for the process that polled. A child forked meanwhile
@@ -118,16 +186,16 @@ fn deadline_error(py: Python<'_>, class: &str) -> PyErr {
 
 impl PyQueue {
     pub(crate) fn from_queue(q: Queue<Value>) -> PyQueue {
-        PyQueue { inner: Inner::Queue(q), stash: Stash::default() }
+        PyQueue { inner: ManuallyDrop::new(Inner::Queue(q)), stash: Stash::default() }
     }
 
     pub(crate) fn from_simple(q: SimpleQueue<Value>) -> PyQueue {
-        PyQueue { inner: Inner::Simple(q), stash: Stash::default() }
+        PyQueue { inner: ManuallyDrop::new(Inner::Simple(q)), stash: Stash::default() }
     }
 
     /// This queue as a value (a handle to the same queue).
     pub(crate) fn value(&self) -> Value {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => Value::Queue(q.clone()),
             Inner::Simple(q) => Value::SimpleQueue(q.clone()),
         }
@@ -138,14 +206,14 @@ impl PyQueue {
     }
 
     fn get_timeout(&self, t: Duration) -> tensorshare::Result<Value> {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.get_timeout(t),
             Inner::Simple(q) => q.get_timeout(t),
         }
     }
 
     fn try_get(&self) -> tensorshare::Result<Option<Value>> {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.try_get(),
             Inner::Simple(q) => q.try_get(),
         }
@@ -211,7 +279,7 @@ impl PyQueue {
             let cap = usize::try_from(maxsize).map_err(|_| PyValueError::new_err("maxsize too large"))?;
             Inner::Queue(Queue::with_capacity(cap).map_err(to_py)?)
         };
-        Ok(PyQueue { inner, stash: Stash::default() })
+        Ok(PyQueue { inner: ManuallyDrop::new(inner), stash: Stash::default() })
     }
 
     /// Puts `obj`: tensors and arrays travel as handles to shared memory (a tensor not yet in
@@ -221,7 +289,7 @@ impl PyQueue {
     fn put(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, block: bool, timeout: Option<f64>) -> PyResult<()> {
         let mut value = to_value(py, obj)?;
         let deadline = deadline_of(block, timeout)?;
-        let q = match &self.inner {
+        let q = match &*self.inner {
             Inner::Simple(q) => {
                 return py.detach(move || q.put(value).map_err(|e| e.into_parts().1)).map_err(to_py)
             }
@@ -285,7 +353,7 @@ impl PyQueue {
     fn qsize(&self) -> usize {
         let stashed = self.stash.with(|s| s.len());
         stashed
-            + match &self.inner {
+            + match &*self.inner {
                 Inner::Queue(q) => q.len(),
                 Inner::Simple(q) => q.len(),
             }
@@ -294,7 +362,7 @@ impl PyQueue {
     /// Lets this process leave without waiting for what it put to be written out (see
     /// `tensorshare::Queue::cancel_join_thread`).
     fn cancel_join_thread(&self) {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.cancel_join_thread(),
             Inner::Simple(q) => q.cancel_join_thread(),
         }
@@ -302,7 +370,7 @@ impl PyQueue {
 
     /// Whether a bounded queue has no free place now (a `put` would wait).
     fn full(&self) -> bool {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.is_full(),
             Inner::Simple(q) => q.is_full(),
         }
@@ -311,7 +379,7 @@ impl PyQueue {
     /// The queue's capacity, 0 when it has none (Python's `maxsize`).
     #[getter]
     fn maxsize(&self) -> usize {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.capacity(),
             Inner::Simple(q) => q.capacity(),
         }
@@ -326,7 +394,7 @@ impl PyQueue {
     /// A descriptor that becomes readable when a value may be waiting (for
     /// `multiprocessing.connection.wait`).
     fn fileno(&self) -> i32 {
-        match &self.inner {
+        match &*self.inner {
             Inner::Queue(q) => q.poll_fd().as_raw_fd(),
             Inner::Simple(q) => q.poll_fd().as_raw_fd(),
         }
@@ -335,7 +403,7 @@ impl PyQueue {
     /// Whether this is a `SimpleQueue`.
     #[getter]
     fn simple(&self) -> bool {
-        matches!(self.inner, Inner::Simple(_))
+        matches!(*self.inner, Inner::Simple(_))
     }
 
     /// Pickled only as an argument of a process being started (its descriptors then go to

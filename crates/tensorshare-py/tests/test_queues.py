@@ -502,3 +502,56 @@ def test_a_replaced_queue_empty_is_a_type_error_not_a_panic(monkeypatch):
     monkeypatch.setattr(queue, "Empty", 5)
     with pytest.raises(TypeError, match="queue.Empty is not a class"):
         _native.Queue().get(block=False)
+
+
+def test_dropping_a_queue_with_values_unwritten_does_not_wait_for_a_reader_in_this_process():
+    # Before: the GC's drop of the queue waited, holding the GIL, for its outbox to be
+    # written while a message carrying the queue was in flight, here in another queue that
+    # only this process would read: the process hung at `del q`.
+    out = run_python(
+        """
+        import gc
+        import tensorshare.multiprocessing as mp
+
+        q, r = mp.Queue(), mp.Queue()
+        r.put(q)  # a message carrying q, in flight
+        for i in range(3000):
+            q.put(i.to_bytes(4, "little") * 250)  # more than the socket holds
+        del q
+        gc.collect()
+        print("dropped", flush=True)
+        again = r.get(timeout=60)
+        got = [int.from_bytes(again.get(timeout=60)[:4], "little") for _ in range(3000)]
+        assert got == list(range(3000))
+        print("all written")
+        """,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["dropped", "all written"], out.stdout
+
+
+def _put_and_drop(r, s, n):
+    q = r.get(timeout=60)
+    for i in range(n):
+        q.put(i.to_bytes(4, "little") * 250)
+    del q
+    s.put("dropped")
+
+
+def test_a_child_that_drops_a_queue_goes_on_and_still_writes_it_out_before_it_leaves(ctx):
+    r, s, q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_put_and_drop, args=(r, s, 3000))
+    p.start()
+    try:
+        r.put(q)
+        # Nothing reads q yet: the child's drop goes on without waiting for that.
+        assert s.get(timeout=60) == "dropped"
+        got = [int.from_bytes(q.get(timeout=60)[:4], "little") for _ in range(3000)]
+        assert got == list(range(3000))
+    finally:
+        p.join(60)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0

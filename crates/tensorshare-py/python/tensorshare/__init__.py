@@ -12,6 +12,8 @@ module has the pieces under it:
 Queues carry values to Rust processes too: see ``tensorshare::Value`` in the Rust crate.
 """
 
+import atexit as _atexit
+
 from . import _native
 from ._native import (
     Block,
@@ -26,6 +28,10 @@ from ._reduction import install_torch_hook as _install_torch_hook
 from ._reduction import new_block as _new_block
 
 _install_torch_hook()
+# A queue the GC let go with values this process could not write yet is dropped on a thread
+# of its own, which writes them on; the process waits for those before it leaves, as
+# multiprocessing joins its queues' feeder threads.
+_atexit.register(_native.wait_dropped_queues)
 
 __all__ = [
     "Block",

@@ -123,6 +123,15 @@ macro_rules! queue_type {
                 self.core.outbox.leave_unwritten();
             }
 
+            /// Whether values this process put on the queue still wait in its outbox for
+            /// room (see `put`). Dropping the queue's last handle in this process waits for
+            /// them while another process, or a message in flight, could still read them;
+            /// a caller that must not wait there (a garbage collector holding a lock) can
+            /// drop the handle on a thread of its own instead, as the Python package does.
+            pub fn has_unwritten(&self) -> bool {
+                self.core.outbox.pending()
+            }
+
             /// A descriptor to wait on with `poll` or `epoll` (for an event loop, or
             /// Python's `multiprocessing.connection.wait`): it becomes readable when a
             /// value may be waiting; a wake-up can be spurious, so follow it with
