@@ -226,16 +226,19 @@ fn unlink_own_names() {
 /// `tensorshare::flush_queues`).
 #[pyfunction]
 fn flush_queues(py: Python<'_>) {
-    queue::wait_dropped(py);
-    py.detach(tensorshare::flush_queues)
+    queue::wait_dropped(py, false);
+    py.detach(tensorshare::flush_queues);
+    // Queues other threads dropped meanwhile.
+    queue::wait_dropped(py, false);
 }
 
 /// Waits until the queues this process dropped with values unwritten have written them out,
-/// while another process could read them: an exit handler, as multiprocessing joins its
-/// queues' feeder threads at exit (see `PyQueue`'s `drop`).
+/// while another process could read them: the exit handler, run where multiprocessing joins
+/// its queues' feeder threads at exit (see `PyQueue`'s `drop`). Queues dropped after it
+/// wait in place.
 #[pyfunction]
 fn wait_dropped_queues(py: Python<'_>) {
-    queue::wait_dropped(py)
+    queue::wait_dropped(py, true)
 }
 
 /// Makes this process's puts on queues it inherited by fork go through an outbox of its own

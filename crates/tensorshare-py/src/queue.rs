@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -54,7 +55,10 @@ impl Drop for PyQueue {
     fn drop(&mut self) {
         // SAFETY: `drop` runs once, and `self.inner` is used by nothing after it.
         let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
-        if !inner.has_unwritten() {
+        // Once the process is leaving (`wait_dropped` at exit has run), the queues that go
+        // as the interpreter ends are dropped here, waiting, as before: nothing would join
+        // a thread.
+        if !inner.has_unwritten() || LEAVING.load(Ordering::SeqCst) {
             return;
         }
         let spawned = std::thread::Builder::new().name("tensorshare-drop".into()).spawn(move || drop(inner));
@@ -83,9 +87,16 @@ fn keep_own(dropping: &mut Vec<(u32, JoinHandle<()>)>) {
     dropping.extend(mine.into_iter().filter(|(_, h)| !h.is_finished()));
 }
 
+/// Set by the exit handler's `wait_dropped`: queues dropped after it are dropped in place.
+static LEAVING: AtomicBool = AtomicBool::new(false);
+
 /// Waits until every queue this process dropped with values unwritten is dropped, its
-/// values written out while another process could read them.
-pub(crate) fn wait_dropped(py: Python<'_>) {
+/// values written out while another process could read them. `leaving`: the process is
+/// ending (the exit handler), and later drops wait in place.
+pub(crate) fn wait_dropped(py: Python<'_>, leaving: bool) {
+    if leaving {
+        LEAVING.store(true, Ordering::SeqCst);
+    }
     let handles = {
         let mut dropping = DROPPING.lock().unwrap_or_else(|p| p.into_inner());
         keep_own(&mut dropping);

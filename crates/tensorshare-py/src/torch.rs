@@ -57,6 +57,9 @@ pub(crate) struct Api {
     /// torch's own `is_shared`, which the package's replacement of
     /// `UntypedStorage.is_shared` (true for blocks too) leaves as it was.
     storage_is_shared: Method,
+    /// The descriptor of torch's shared memory under a storage (-1 for a file torch maps;
+    /// raises for one of torch's named segments).
+    storage_shared_fd: Method,
     empty_strided: Py<PyAny>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
     /// GIL let go: a Python thread forking then would leave it half filled in its child.
@@ -158,6 +161,7 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_device: Getter::new(&storage_base, "device")?,
             storage_copy: Method::new(&storage_base, "copy_")?,
             storage_is_shared: Method::new(&storage_base, "is_shared")?,
+            storage_shared_fd: Method::new(&storage_base, "_get_shared_fd")?,
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             empty_strided: torch.getattr("empty_strided")?.unbind(),
             key_dtype: PyString::new(py, "dtype").unbind(),
@@ -447,17 +451,36 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         return Ok(false);
     }
     let storage = api.t.untyped_storage.call0(obj)?;
-    Ok(block_of(py, api, &storage)?.0.is_some() || moves_into_block(api, &storage)?)
+    Ok(match block_of(py, api, &storage)? {
+        (Some(_), _) => true,
+        (None, nbytes) => moves_into_block(api, &storage, nbytes)?,
+    })
 }
 
-/// Whether CPU `storage`, in no block, is moved into one to be sent. Not where this torch
-/// cannot move it (before 2.12), nor where torch has it in its own shared memory already:
-/// other processes may map it there (torch's queues, a DataLoader's workers, a model shared
-/// before tensorshare was imported), and a move would leave them apart from this one. Both
-/// are pickled with torch's own reductions instead (`_reduction.torch_reduction`), which
-/// share the storage where it is, as torch.multiprocessing would.
-fn moves_into_block(api: &Api, storage: &Bound<'_, PyAny>) -> PyResult<bool> {
-    Ok(api.storage_swap.is_some() && !api.storage_is_shared.call0(storage)?.extract::<bool>()?)
+/// Whether CPU `storage` (of `nbytes`), in no block, is moved into one to be sent. Not
+/// where this torch cannot move it (before 2.12; an empty one needs no move), nor where
+/// torch has it in its own shared memory already, by descriptor or by name: other processes
+/// may map it there (torch's queues, a DataLoader's workers, a model shared before
+/// tensorshare was imported), and a move would leave them apart from this one. Both are
+/// pickled with torch's own reductions instead (`_reduction.torch_reduction`), which share
+/// the storage where it is, as torch.multiprocessing would. A file torch maps
+/// (`torch.from_file`) is no shared memory of torch's (no descriptor to share): it moves.
+/// `_reduction.torch_shares` decides alike.
+fn moves_into_block(api: &Api, storage: &Bound<'_, PyAny>, nbytes: usize) -> PyResult<bool> {
+    if nbytes == 0 {
+        return Ok(true);
+    }
+    if api.storage_swap.is_none() {
+        return Ok(false);
+    }
+    if !api.storage_is_shared.call0(storage)?.extract::<bool>()? {
+        return Ok(true);
+    }
+    // torch's named segments (its file_system strategy) have no descriptor here: it raises.
+    Ok(match api.storage_shared_fd.call0(storage) {
+        Ok(fd) => fd.extract::<i64>()? < 0,
+        Err(_) => false,
+    })
 }
 
 /// The live block `storage` (a CPU storage) is in, if any, and the storage's size.
@@ -496,7 +519,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let storage = a.untyped_storage.call0(obj)?;
         let block = match block_of(py, api, &storage)? {
             (Some(b), _) => b,
-            (None, nbytes) if moves_into_block(api, &storage)? => {
+            (None, nbytes) if moves_into_block(api, &storage, nbytes)? => {
                 move_storage(py, api, &storage, nbytes, true)?
             }
             (None, _) => return Ok(None),

@@ -128,6 +128,12 @@ def test_refusals_and_share_memory_are_torchs_own():
         ts.share_memory_(made)
         assert made.untyped_storage().data_ptr() == address and in_block(made)
 
+        # Conjugate and negative views keep their bits (torch's own reduce_tensor keeps
+        # neither: they are pickled whole, their storages reduced by torch).
+        z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        assert ts.roundtrip(z.conj()).tolist() == [1 - 2j, 3 + 4j]
+        assert ts.roundtrip(z.conj().imag).tolist() == [-2.0, 4.0]
+
         # A model's share_memory() is torch's, and its weights then travel torch's way.
         model = torch.nn.Linear(2, 2)
         model.share_memory()

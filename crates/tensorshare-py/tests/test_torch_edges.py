@@ -394,26 +394,3 @@ def test_a_torch_that_cannot_move_a_storage_in_place_keeps_its_own_share_memory_
     else:
         assert fake.UntypedStorage.share_memory_ is torch_share_memory_
         assert fake.UntypedStorage().share_memory_() == "torch's own"
-
-
-def test_a_tensor_torch_maps_from_a_file_is_not_taken_off_the_file_by_a_put(tmp_path):
-    # Before: the put moved the storage into a block, so the sender's later writes no longer
-    # reached the file. torch maps it itself; torch.multiprocessing cannot send it by
-    # descriptor either, and the package now says so and leaves the tensor on its file.
-    torch = import_torch()
-    import tensorshare as ts
-    import tensorshare.multiprocessing as mp
-
-    path = tmp_path / "mapped.bin"
-    path.write_bytes(bytes(16))
-    t = torch.from_file(str(path), shared=True, size=4, dtype=torch.float32)
-    old = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_descriptor")
-    try:
-        with pytest.raises((TypeError, RuntimeError), match="send a clone"):
-            ts.roundtrip([t])
-    finally:
-        mp.set_sharing_strategy(old)
-    t.fill_(1.0)
-    assert path.read_bytes() == bytes(torch.ones(4).untyped_storage())
-    assert ts.roundtrip(t.clone()).tolist() == [1.0] * 4

@@ -503,17 +503,20 @@ def _write_and_report(t, go, back):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, indirect=True)
-def test_a_tensor_in_torchs_own_shared_memory_stays_there_when_sent(strategy):
+@pytest.mark.parametrize("torch_shared_by", STRATEGIES)
+def test_a_tensor_in_torchs_own_shared_memory_stays_there_when_sent(torch_shared_by, strategy):
     """A storage torch put in its own shared memory (its share_memory_() before tensorshare
     was imported, its queues, a DataLoader's default workers) may be mapped by other
-    processes: a put leaves it there, and it is sent the way torch sends it."""
+    processes: a put leaves it there, and it is sent the way torch sends it, whichever
+    strategy is set here."""
     # Before: the put moved it into a block, and a child that had inherited it saw the
     # parent's later writes no more.
     ctx = mp.get_context("fork")
     t = torch.zeros(3)
     storage = t.untyped_storage()
-    if strategy == "file_descriptor":
-        storage._share_fd_cpu_()  # what torch's share_memory_() and its reductions call
+    # What torch's share_memory_() and its reductions call, under each of its strategies.
+    if torch_shared_by == "file_descriptor":
+        storage._share_fd_cpu_()
     else:
         storage._share_filename_cpu_()
     address = t.data_ptr()

@@ -12,7 +12,7 @@ module has the pieces under it:
 Queues carry values to Rust processes too: see ``tensorshare::Value`` in the Rust crate.
 """
 
-import atexit as _atexit
+from multiprocessing import util as _mp_util
 
 from . import _native
 from ._native import (
@@ -29,9 +29,9 @@ from ._reduction import new_block as _new_block
 
 _install_torch_hook()
 # A queue the GC let go with values this process could not write yet is dropped on a thread
-# of its own, which writes them on; the process waits for those before it leaves, as
-# multiprocessing joins its queues' feeder threads.
-_atexit.register(_native.wait_dropped_queues)
+# of its own, which writes them on; the process waits for those before it leaves, where
+# multiprocessing joins its queues' feeder threads (after ending its daemonic children).
+_mp_util.Finalize(None, _native.wait_dropped_queues, exitpriority=-5)
 
 __all__ = [
     "Block",

@@ -122,26 +122,47 @@ def can_move_in_place(torch):
     return "_swap_data_ptr_" in vars(torch._C.StorageBase)
 
 
+def _torch_shm_kind(torch, untyped):
+    """The strategy under which torch has CPU storage ``untyped`` in its own shared memory
+    already (``"file_descriptor"`` or ``"file_system"``), or None where it has not (a file
+    torch maps, ``torch.from_file``, is no shared memory of torch's: it has no descriptor or
+    name to share)."""
+    base = torch._C.StorageBase
+    if not base.is_shared(untyped):
+        return None
+    try:
+        fd = base._get_shared_fd(untyped)
+    except Exception:
+        return "file_system"  # a named segment of torch's manager has no descriptor here
+    return "file_descriptor" if fd >= 0 else None
+
+
 def torch_shares(torch, untyped):
     """Whether CPU storage ``untyped``, in no block, is shared the way torch shares it rather
     than moved into a block: where this torch cannot move it (before 2.12), and where torch
     has it in its own shared memory already, where other processes may map it (torch's
     queues, a DataLoader's default workers, a model shared before tensorshare was imported).
     The extension decides alike (``moves_into_block`` in ``torch.rs``)."""
-    return not can_move_in_place(torch) or torch._C.StorageBase.is_shared(untyped)
+    if untyped.nbytes() == 0:
+        return False  # moved into an empty block, with no swap
+    return not can_move_in_place(torch) or _torch_shm_kind(torch, untyped) is not None
 
 
 def torch_reduction(obj):
     """torch's own reduction (``torch.multiprocessing.reductions``) of ``obj`` when it is a
     CPU tensor or storage in no block that torch shares (``torch_shares``): shared as
-    torch.multiprocessing shares it, in place, under the sharing strategy set here. None for
-    anything else, which is pickled as before (a storage in a block travels as a handle)."""
+    torch.multiprocessing shares it, in place. A storage already in torch's shared memory is
+    reduced under the strategy it was shared with (the other would copy it elsewhere); one
+    not shared yet under the sharing strategy set here. None for anything else, which is
+    pickled as before (a storage in a block travels as a handle)."""
     torch = _torch()
     if torch is None:
         return None
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
-        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg():
-            return None  # pickled by torch's __reduce_ex__, its storage reduced here
+        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg() or obj.is_conj():
+            # torch's reduce_tensor keeps neither bit: torch's __reduce_ex__ does, and its
+            # storage is reduced here.
+            return None
         untyped = obj.untyped_storage()
         kind = "reduce_tensor"
     elif isinstance(obj, torch.UntypedStorage):
@@ -157,17 +178,16 @@ def torch_reduction(obj):
     import torch.multiprocessing as torch_mp
     import torch.multiprocessing.reductions as reductions
 
-    strategy = _native.get_sharing_strategy()
-    if torch_mp.get_sharing_strategy() != strategy:
+    strategy = _torch_shm_kind(torch, untyped) or _native.get_sharing_strategy()
+    # torch's reductions read its global strategy: set for this call, then given back.
+    before = torch_mp.get_sharing_strategy()
+    if before != strategy:
         torch_mp.set_sharing_strategy(strategy)
     try:
         return getattr(reductions, kind)(obj)
-    except OSError as e:
-        # A storage torch maps from a file (torch.from_file(..., shared=True)) has no
-        # descriptor to send, in torch.multiprocessing too.
-        raise RuntimeError(
-            f"torch could not share this storage, which it maps itself ({e}); send a clone() instead"
-        ) from e
+    finally:
+        if before != strategy:
+            torch_mp.set_sharing_strategy(before)
 
 
 class _TorchHook:
