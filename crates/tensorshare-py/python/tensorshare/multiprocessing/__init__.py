@@ -8,7 +8,9 @@ with these differences, which are the point:
   ``get_context`` carry torch tensors and numpy arrays as handles into tensorshare arenas:
   a few descriptors per process in all, not one per storage; no ``/dev/shm`` file per tensor;
   messages that do not need their sender to stay alive; a clear ``MemoryError`` rather than a
-  bus error when shared memory runs out.
+  bus error when shared memory runs out. (A CPU tensor in none of them that torch before 2.12
+  cannot move into one, or that torch has in its own shared memory already, is sent the way
+  torch sends it.)
 - Processes, ``spawn`` and pools take lambdas, closures and local functions, with every
   start method (they travel by value, pickled with cloudpickle).
 - A context is a ``multiprocessing`` context: ``DataLoader(..., multiprocessing_context=
