@@ -3,6 +3,7 @@ check that nothing is left in /dev/shm."""
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -46,17 +47,26 @@ def named_segments(root=None):
 
 
 def run_python(code, timeout=120, env=None):
-    """Runs ``code`` in a new Python process; its completed process (the test fails on a
-    timeout, which kills it)."""
+    """Runs ``code`` in a new Python process; its completed process. The test fails on a
+    timeout, which kills the process and every process it started (its own process group:
+    a child it forked, waiting on a queue, is not left behind)."""
     full = dict(os.environ)
     full.update(env or {})
-    return subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env=full,
-    )
+        start_new_session=True,
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def method_of(ctx):
