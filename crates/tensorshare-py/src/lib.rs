@@ -255,7 +255,12 @@ fn get_all_sharing_strategies() -> Vec<String> {
     tensorshare::get_all_sharing_strategies().iter().map(ToString::to_string).collect()
 }
 
-#[pymodule]
+/// Declared as needing the GIL (`gil_used = true`, said here rather than left to pyo3's
+/// default): the registries of blocks and storages, the queues' drop threads and the
+/// pickler's handle decisions assume that no two threads run Python code of this process at
+/// once. A free-threaded CPython turns its GIL back on when it imports the module, and says
+/// so in a `RuntimeWarning`.
+#[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Helpers (the file_system strategy's cleaner) start as this Python loading this module
     // again: its constructor takes the role before any Python code of ours runs.
