@@ -2,6 +2,7 @@
 method and sharing strategy."""
 
 import queue
+import threading
 
 import numpy as np
 import pytest
@@ -555,3 +556,82 @@ def test_a_child_that_drops_a_queue_goes_on_and_still_writes_it_out_before_it_le
             p.kill()
             p.join()
     assert p.exitcode == 0
+
+
+def _consume_tasks(q, results):
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            q.task_done()
+            return
+        results.put(item * 2)
+        q.task_done()
+
+
+def test_a_joinable_queue_counts_tasks_across_processes(ctx):
+    q, results = ctx.JoinableQueue(), ctx.Queue()
+    p = ctx.Process(target=_consume_tasks, args=(q, results))
+    p.start()
+    try:
+        for i in range(50):
+            q.put(i)
+        q.put(None)
+        q.join()  # returns once the child has called task_done for all 51
+        assert sorted(results.get(timeout=60) for _ in range(50)) == [2 * i for i in range(50)]
+    finally:
+        p.join(60)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0
+    with pytest.raises(ValueError, match="task_done"):
+        q.task_done()
+
+
+def test_a_bounded_joinable_queue_lets_its_consumer_call_task_done_while_the_producer_waits():
+    # Before: put waited for room while holding the queue's condition, which the
+    # consumer's task_done takes between its gets, so a producer ahead of its consumer
+    # stopped both for good (multiprocessing's waits for room first, then takes it).
+    for method in ("fork", "spawn"):
+        out = run_python(
+            f"""
+            import tensorshare.multiprocessing as mp
+
+            def consume(q, n):
+                for i in range(n):
+                    assert q.get(timeout=60) == i
+                    q.task_done()
+
+            if __name__ == "__main__":
+                ctx = mp.get_context("{method}")
+                q = ctx.JoinableQueue(maxsize=1)
+                p = ctx.Process(target=consume, args=(q, 300))
+                p.start()
+                for i in range(300):
+                    q.put(i)
+                q.join()
+                p.join(60)
+                print("joined", p.exitcode)
+            """,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "joined 0\n", (method, out.stdout)
+
+
+def test_a_joinable_put_that_fails_takes_its_task_back():
+    import tensorshare.multiprocessing as mp
+
+    q = mp.get_context("spawn").JoinableQueue(maxsize=1)
+    q.put("a")
+    with pytest.raises(queue.Full):
+        q.put_nowait("b")
+    with pytest.raises(queue.Full):
+        q.put("b", timeout=0.01)
+    with pytest.raises(TypeError, match="lock"):
+        q.put(threading.Lock())  # refused before any wait for room
+    assert q.get(timeout=60) == "a"
+    q.task_done()
+    q.join()  # one task was counted, and it is done: the failed puts left none behind
+    with pytest.raises(ValueError, match="task_done"):
+        q.task_done()

@@ -141,9 +141,21 @@ class JoinableQueue(Queue):
     def put(self, obj, block=True, timeout=None):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        # The task is counted before its value can be taken, so that the consumer's
+        # task_done finds it, but the wait for room is not made under the condition: the
+        # consumer takes the condition in task_done between its gets, and only its next get
+        # makes room. A put that fails (full, a timeout, an interrupt, a value that cannot
+        # be sent) takes its count back, and wakes joiners if it was the last.
         with self._cond:
-            self._q.put(obj, block, timeout)
             self._unfinished_tasks.release()
+        try:
+            self._q.put(obj, block, timeout)
+        except BaseException:
+            with self._cond:
+                self._unfinished_tasks.acquire(False)
+                if self._unfinished_tasks._semlock._is_zero():
+                    self._cond.notify_all()
+            raise
 
     def task_done(self):
         with self._cond:
