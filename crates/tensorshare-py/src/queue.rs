@@ -397,9 +397,24 @@ impl PyQueue {
         .unwrap_or(0)
     }
 
-    /// Whether no value is ready now.
+    /// Whether no value is ready now, told without taking one off the queue, which other
+    /// processes may be reading (a value taken here would be this process's alone). Only
+    /// where the queue cannot tell without taking (a record in its socket while someone
+    /// waits on `fileno`, which may be a wake-up with no value: multiprocessing's Pool
+    /// waits so on its own queues) does it look as `poll` does, and keep the value for
+    /// this process's next `get`.
     fn empty(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(!self.poll(py, Some(0.0))?)
+        if !self.stash.with(|s| s.is_empty()) {
+            return Ok(false);
+        }
+        let ready = match &*self.inner {
+            Inner::Queue(q) => q.has_ready(),
+            Inner::Simple(q) => q.has_ready(),
+        };
+        match ready {
+            Some(ready) => Ok(!ready),
+            None => Ok(!self.poll(py, Some(0.0))?),
+        }
     }
 
     /// A descriptor that becomes readable when a value may be waiting (for

@@ -365,16 +365,17 @@ def _get_into(q, out):
     out.put(q.get())
 
 
-def test_a_value_empty_took_for_the_parent_is_not_a_forked_childs():
-    # empty() and poll() take the next value off the queue for this process; a child forked
-    # afterwards inherited a copy of it, and got it a second time.
+def test_a_value_poll_took_for_the_parent_is_not_a_forked_childs():
+    # poll() (what multiprocessing's Pool asks of its queue's reader) takes the next value
+    # off the queue for this process; a child forked afterwards inherited a copy of it, and
+    # got it a second time.
     import tensorshare.multiprocessing as mp
 
     ctx = mp.get_context("fork")
     q, out = ctx.Queue(), ctx.Queue()
     q.put("first")
     q.put("second")
-    assert not q.empty()
+    assert q._reader.poll(0)
     p = ctx.Process(target=_get_into, args=(q, out))
     p.start()
     assert out.get(timeout=60) == "second"
@@ -635,3 +636,53 @@ def test_a_joinable_put_that_fails_takes_its_task_back():
     q.join()  # one task was counted, and it is done: the failed puts left none behind
     with pytest.raises(ValueError, match="task_done"):
         q.task_done()
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
+def test_empty_takes_no_value_away_from_the_processes_that_read_the_queue(ctx, kind):
+    # Before: empty() took the next value off the queue and kept it for this process, so a
+    # parent waiting for its workers with `while not q.empty()` kept one task from them
+    # (and waited for good).
+    q, out = getattr(ctx, kind)(), ctx.Queue()
+    for i in range(10):
+        q.put(i)
+    assert not q.empty()
+    p = ctx.Process(target=_get_ten, args=(q, out))
+    p.start()
+    try:
+        assert out.get(timeout=60) == list(range(10))
+    finally:
+        p.join(60)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0
+    assert q.empty()
+
+
+def _get_ten(q, out):
+    got = []
+    for _ in range(10):
+        got.append(q.get())  # a SimpleQueue's get takes no timeout: the parent's does
+        if hasattr(q, "task_done"):
+            q.task_done()
+    out.put(got)
+
+
+def test_empty_tells_apart_a_value_and_a_wake_up_once_someone_waits_on_the_queue():
+    # Once a process waits on the queue's descriptor (multiprocessing.connection.wait, as
+    # Pool does), a record in its socket may be a wake-up with no value: empty() still says
+    # no value waits once the values are gone, and yes while one does.
+    from multiprocessing.connection import wait
+
+    import tensorshare.multiprocessing as mp
+
+    q = mp.get_context("spawn").Queue()
+    assert q.empty() and wait([q._reader], timeout=0) == []
+    q.put("a")
+    assert wait([q._reader], timeout=60) == [q._reader]
+    assert not q.empty()
+    assert q.get(timeout=60) == "a"
+    assert q.empty()
+    q.put("b")
+    assert not q.empty() and q.get(timeout=60) == "b" and q.empty()

@@ -132,6 +132,30 @@ fn poll_fd_wakes_for_values_in_the_lane_and_after() {
     assert_eq!(got, vec![0, 1, 2, 3, 4, 5]);
 }
 
+/// `has_ready` tells whether a value waits without taking one: values a child put are
+/// still there for `try_get` after it looked. Once a process waits on `poll_fd`, a record
+/// left in the socket may be a nudge with no value behind it: it says it cannot tell
+/// rather than promise a value, until a `try_get` has taken the nudge.
+#[test]
+fn has_ready_tells_whether_a_value_waits_without_taking_it() {
+    let q: Queue<u32> = Queue::new().unwrap();
+    assert_eq!(q.has_ready(), Some(false));
+    let mut ctx = spawn(put_three, (q.clone(), 0), 1).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    for _ in 0..3 {
+        assert_eq!(q.has_ready(), Some(true));
+    }
+    assert_eq!(q.try_get().unwrap(), Some(0), "looking took nothing");
+    assert!(readable(q.poll_fd()), "the two values left are nudged");
+    assert_eq!(q.has_ready(), Some(true), "values wait in the lane");
+    assert_eq!((q.try_get().unwrap(), q.try_get().unwrap()), (Some(1), Some(2)));
+    assert_ne!(q.has_ready(), Some(true), "a nudge alone is no value");
+    // No value (the producer is gone, so the queue may say it is disconnected): the nudge
+    // is taken.
+    assert!(!matches!(q.try_get(), Ok(Some(_))));
+    assert_eq!(q.has_ready(), Some(false), "the nudge was taken");
+}
+
 fn keep_the_first(_rank: usize, (q, back, go): (Queue<Vec<Tensor>>, Queue<u64>, Queue<()>)) {
     let mut got = q.get().unwrap();
     let (flag, kept) = (got.pop().unwrap(), got.pop().unwrap());

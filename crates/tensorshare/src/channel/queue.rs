@@ -113,6 +113,16 @@ macro_rules! queue_type {
                 self.core.drained()
             }
 
+            /// Whether a value waits now, told without taking one off the queue (which other
+            /// processes may be reading): `Some(false)` when none does (as
+            /// [`is_empty`](Self::is_empty)), `Some(true)` when one does. `None` when what
+            /// waits is a record in the queue's socket while someone waits on
+            /// [`poll_fd`](Self::poll_fd): it may be a wake-up with no value, which only
+            /// [`try_get`](Self::try_get) tells.
+            pub fn has_ready(&self) -> Option<bool> {
+                self.core.has_ready()
+            }
+
             /// Lets this process go without waiting for what it put on this queue to be
             /// written out (Python's `cancel_join_thread`): from now on, dropping the queue's
             /// last handle here or [`flush_queues`](crate::flush_queues) returns at once;

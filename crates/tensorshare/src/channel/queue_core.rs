@@ -220,6 +220,21 @@ impl Core {
         socket_empty && !self.outbox.pending() && self.control.lane().is_empty()
     }
 
+    /// See `Queue::has_ready`. The socket is looked at before the flag: nudges (records
+    /// without a message) are written only after the flag is set, and it is never cleared,
+    /// so a record seen while the flag is still clear is a message.
+    pub(super) fn has_ready(&self) -> Option<bool> {
+        if self.outbox.pending() || !self.control.lane().is_empty() {
+            return Some(true);
+        }
+        let in_socket =
+            socket::wait(self.rx.as_fd(), rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true);
+        if !in_socket {
+            return Some(false);
+        }
+        (!self.control.polled()).then_some(true)
+    }
+
     /// A record taken off the queue, good or not: its place is free again, and it becomes
     /// a value (or an error, having closed what it carried).
     pub(super) fn take<T: DeserializeOwned>(&self, record: Result<socket::Record>) -> Result<T> {
