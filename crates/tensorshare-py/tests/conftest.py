@@ -46,14 +46,24 @@ def named_segments(root=None):
         return []
 
 
-def run_python(code, timeout=120, env=None):
-    """Runs ``code`` in a new Python process; its completed process. The test fails on a
-    timeout, which kills the process and every process it started (its own process group:
-    a child it forked, waiting on a queue, is not left behind)."""
+def run_python(code, timeout=120, env=None, script_dir=None):
+    """Runs ``code`` in a new Python process (``-c``, or as the script ``main.py`` written
+    into ``script_dir``: a main module that spawned children import too); its completed
+    process. The test fails on a timeout, which kills the process and every process it
+    started (its own process group: a child it forked, waiting on a queue, is not left
+    behind)."""
     full = dict(os.environ)
     full.update(env or {})
+    code = textwrap.dedent(code)
+    if script_dir is None:
+        args = [sys.executable, "-c", code]
+    else:
+        path = os.path.join(script_dir, "main.py")
+        with open(path, "w") as f:
+            f.write(code)
+        args = [sys.executable, path]
     with subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

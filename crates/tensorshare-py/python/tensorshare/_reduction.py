@@ -8,6 +8,7 @@ import io
 import pickle
 import reprlib
 import sys
+import types
 
 from . import _native
 
@@ -280,14 +281,20 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
 
 
 class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
-    """Pickles by value; tensors, arrays and tensorshare queues inside become persistent ids
-    (indices into a list that travels beside the pickle as handles)."""
+    """Pickles by value what cannot be found by name (lambdas, closures, local functions),
+    and a function or class of the main module by name with a copy by value beside it (see
+    ``_main_reduction``); tensors, arrays and tensorshare queues inside become persistent ids
+    (indices into a list that travels beside the pickle as handles). ``by_value``: a copy's
+    pickler, which pickles the main module's functions and classes by value only."""
 
-    def __init__(self, file, inner):
+    def __init__(self, file, inner, by_value=False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._inner = inner
+        self._by_value = by_value
 
     def persistent_id(self, obj):
+        if type(obj) is _Copy:
+            return ("copy", obj.data)
         if isinstance(obj, (_native.Queue, _native.Connection)) or tensor_parts_cheap(obj):
             self._inner.append(obj)
             return len(self._inner) - 1
@@ -312,7 +319,75 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
             return reduced
         if _cloudpickle is None:
             return NotImplemented
+        if not self._by_value and _named_in_main(obj):
+            return _main_reduction(obj, self._inner)
         return super().reducer_override(obj)
+
+
+_MAIN_MODULES = ("__main__", "__mp_main__")
+
+
+def _in_main(qualname):
+    """What ``qualname`` names in this process's main module, or None."""
+    obj = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _named_in_main(obj):
+    """Whether ``obj`` is a function or class of the main module that its name finds there
+    (not a lambda, a local function or one defined again under the same name)."""
+    return (
+        isinstance(obj, (types.FunctionType, type))
+        and getattr(obj, "__module__", None) in _MAIN_MODULES
+        and "<" not in getattr(obj, "__qualname__", "<")
+        and _in_main(obj.__qualname__) is obj
+    )
+
+
+class _Copy:
+    """A copy by value of a main module's function or class (its pickle, or None where it
+    has none), travelling as a persistent id beside the name (see ``_main_reduction``)."""
+
+    __slots__ = ("data", "inner")
+
+    def __init__(self, data, inner=None):
+        self.data, self.inner = data, inner
+
+
+def _main_reduction(obj, inner):
+    """How a function or class of the main module travels: by its name, as ``pickle`` and
+    multiprocessing send it, so that a process whose main module has it uses its own (a
+    Pool's workers see the globals their initializer set, a class is the one the receiver's
+    ``isinstance`` knows); with a copy by value beside the name, for a process whose main
+    module lacks it (a main module that is no file, such as ``python -c``, under spawn). A
+    function whose copy cannot be pickled (one whose globals hold a lock) travels by name
+    alone, as with multiprocessing."""
+    start = len(inner)
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, inner, by_value=True).dump(obj)
+        data = buf.getvalue()
+    except Exception:
+        del inner[start:]
+        data = None
+    return (_from_main, (obj.__qualname__, _Copy(data)))
+
+
+def _from_main(qualname, copy):
+    """The main module's ``qualname`` in this process, or else its copy by value."""
+    found = _in_main(qualname)
+    if found is not None:
+        return found
+    if copy.data is None:
+        raise pickle.UnpicklingError(
+            f"{qualname} is not in this process's main module, and it could not be sent by "
+            "value (its pickling failed in the sender)"
+        )
+    return loads(copy.data, copy.inner)
 
 
 def tensor_parts_cheap(obj):
@@ -355,6 +430,8 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         try:
+            if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "copy":
+                return _Copy(pid[1], self._inner)
             if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage":
                 view = self._inner[pid[1]]
                 storage = view.untyped_storage()
