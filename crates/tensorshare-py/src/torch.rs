@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -574,6 +574,18 @@ pub(crate) fn move_storage<'py>(
     let Some(swap) = &api.storage_swap else {
         return Err(PyRuntimeError::new_err(MOVE_NEEDS_SWAP));
     };
+    let here =
+        nbytes <= COPY_HERE_MAX && (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?);
+    // torch's copy lets the GIL go: another thread sending the same storage meanwhile
+    // waits for this move, and sends the block it made (see `Moving`).
+    let _moving = if here {
+        None
+    } else {
+        match Moving::claim(py, api, storage)? {
+            Ok(claim) => Some(claim),
+            Err(block) => return Ok(block),
+        }
+    };
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     let flat = flat_tensor(py, api, &block, DType::U8)?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
@@ -581,24 +593,101 @@ pub(crate) fn move_storage<'py>(
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
     // copied after the swap when few (see `copy_out`), else before it by torch, under its
     // own rules.
-    let moved =
-        nbytes <= COPY_HERE_MAX && (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?) && {
-            swap.call1(storage, &fresh)?;
-            match copy_out(api, &fresh, block.get()) {
-                Ok(true) => true,
-                // The storage gets its old memory back, its bytes as they were.
-                failed => {
-                    swap.call1(storage, &fresh)?;
-                    failed?
-                }
+    let moved = here && {
+        swap.call1(storage, &fresh)?;
+        match copy_out(api, &fresh, block.get()) {
+            Ok(true) => true,
+            // The storage gets its old memory back, its bytes as they were.
+            failed => {
+                swap.call1(storage, &fresh)?;
+                failed?
             }
-        };
+        }
+    };
     if !moved {
+        // Claimed here when the copy here was refused (the storage changed size meanwhile).
+        let _late = match _moving {
+            Some(_) => None,
+            None => match Moving::claim(py, api, storage)? {
+                Ok(claim) => Some(claim),
+                Err(block) => return Ok(block),
+            },
+        };
         api.storage_copy.call1(&fresh, storage)?;
         swap.call1(storage, &fresh)?;
     }
     record(py, &block, true, Some(storage))?;
     Ok(block)
+}
+
+/// The storages that threads of this process are moving with torch's copy (which lets the
+/// GIL go), by the address of their memory before the move, and the process that moves
+/// each (a forked child's copies of its parent's are not its own: they are let go). A
+/// second thread that moved the same storage meanwhile would copy from memory the first
+/// frees once it has swapped the block in, and its message would name a block the storage
+/// no longer uses. Locked only by threads that hold the GIL, and never across a wait, so
+/// no fork (which Python makes with the GIL held) finds it taken.
+static MOVING: Mutex<Vec<Claim>> = Mutex::new(Vec::new());
+
+/// One move under way (see [`MOVING`]): whether it is over, for the threads that wait.
+#[derive(Clone)]
+struct Claim {
+    pid: u32,
+    addr: usize,
+    over: Arc<(Mutex<bool>, Condvar)>,
+}
+
+/// A thread's claim on moving a storage (see [`MOVING`]), given up when dropped, which
+/// wakes the threads waiting for it.
+struct Moving(Claim);
+
+impl Moving {
+    /// The claim on moving `storage`, or, when another thread is moving it, the block it
+    /// moved it into, once it is done (the claim is taken anew if the storage is in no
+    /// block then).
+    fn claim<'py>(
+        py: Python<'py>,
+        api: &Api,
+        storage: &Bound<'py, PyAny>,
+    ) -> PyResult<Result<Moving, Bound<'py, Block>>> {
+        loop {
+            let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
+            let pid = std::process::id();
+            let other = {
+                let mut moving = MOVING.lock().unwrap_or_else(|p| p.into_inner());
+                moving.retain(|c| c.pid == pid);
+                match moving.iter().find(|c| c.addr == addr) {
+                    Some(c) => c.over.clone(),
+                    None => {
+                        let claim = Claim { pid, addr, over: Arc::default() };
+                        moving.push(claim.clone());
+                        return Ok(Ok(Moving(claim)));
+                    }
+                }
+            };
+            py.detach(|| {
+                let (lock, cv) = &*other;
+                let mut over = lock.lock().unwrap_or_else(|p| p.into_inner());
+                while !*over {
+                    over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
+                }
+            });
+            if let (Some(block), _) = block_of(py, api, storage)? {
+                return Ok(Err(block));
+            }
+        }
+    }
+}
+
+impl Drop for Moving {
+    fn drop(&mut self) {
+        let mut moving = MOVING.lock().unwrap_or_else(|p| p.into_inner());
+        moving.retain(|c| !Arc::ptr_eq(&c.over, &self.0.over));
+        drop(moving);
+        let (lock, cv) = &*self.0.over;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        cv.notify_all();
+    }
 }
 
 /// Copies into `block` the bytes of CPU storage `old`, which has just taken a storage's old

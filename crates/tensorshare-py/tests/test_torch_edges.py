@@ -394,3 +394,54 @@ def test_a_torch_that_cannot_move_a_storage_in_place_keeps_its_own_share_memory_
     else:
         assert fake.UntypedStorage.share_memory_ is torch_share_memory_
         assert fake.UntypedStorage().share_memory_() == "torch's own"
+
+
+def _write_what_comes(queues, done):
+    for index, q in enumerate(queues):
+        while (item := q.get(timeout=LONG)) is not None:
+            k, t = item
+            t[index] = 1000 + k
+    done.put("done")
+
+
+def test_two_threads_sending_one_large_new_tensor_at_once_send_the_same_memory():
+    # Before: above 64 KiB torch copies the storage into its block, letting the GIL go;
+    # a second thread sending the same storage meanwhile moved it too, into a block of its
+    # own, copying from memory the first then freed, and one of the two messages named a
+    # block the tensor no longer used (the child's write through it was lost). Now the
+    # second waits for the first move and sends its block.
+    import threading
+
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queues, done = [ctx.Queue(), ctx.Queue()], ctx.Queue()
+    p = ctx.Process(target=_write_what_comes, args=(queues, done))
+    p.start()
+    try:
+        sent = []
+        for k in range(10):
+            t = torch.zeros(1 << 20)  # 4 MiB
+            sent.append(t)
+            both = threading.Barrier(2)
+
+            def put(q, k=k, t=t, both=both):
+                both.wait()
+                q.put((k, t))
+
+            threads = [threading.Thread(target=put, args=(q,)) for q in queues]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        for q in queues:
+            q.put(None)
+        assert done.get(timeout=LONG) == "done"
+    finally:
+        p.join(LONG)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0
+    assert [t[:2].tolist() for t in sent] == [[1000.0 + k] * 2 for k in range(10)]
