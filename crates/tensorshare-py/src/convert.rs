@@ -12,9 +12,11 @@ use crate::{to_py, Block};
 
 /// Why a value could not be turned into a `Value` directly.
 pub(crate) enum Refused {
-    /// Nested deeper than [`tensorshare::value::MAX_DEPTH`] (or it contains itself): the
-    /// caller pickles the whole value instead, as pickle handles cycles.
-    TooDeep,
+    /// Nested deeper than [`tensorshare::value::MAX_DEPTH`], or holding one list, dict or
+    /// pickled object in more than one place (it contains itself, or two places name it):
+    /// the caller pickles the whole value instead, whose memo keeps each such object one
+    /// object in the receiver, as pickle (and torch.multiprocessing) does.
+    Whole,
     /// A Python error (a tensor refused, a helper failed).
     Err(PyErr),
 }
@@ -29,11 +31,12 @@ fn helpers(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     py.import("tensorshare._reduction")
 }
 
-/// `obj` as a value; a value nested too deeply (or cyclic) is pickled whole.
+/// `obj` as a value; a value nested too deeply, or holding an object twice (see
+/// [`Refused::Whole`]), is pickled whole.
 pub(crate) fn to_value(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
-    match value_of(py, obj, 0) {
+    match value_of(py, obj, 0, &mut Seen::default()) {
         Ok(v) => Ok(v),
-        Err(Refused::TooDeep) => pickled(py, obj),
+        Err(Refused::Whole) => pickled(py, obj),
         Err(Refused::Err(e)) => Err(e),
     }
 }
@@ -86,9 +89,27 @@ fn handle_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> 
     Ok(None)
 }
 
-fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, Refused> {
+/// The lists, dicts and pickled objects met so far in one value, by address (each lives
+/// as long as the value being turned, which holds it). Immutable values (numbers, strings,
+/// bytes, tuples) may come twice: a copy of each is the same to the receiver. Tensors and
+/// arrays may too: each place becomes a handle to the same storage, so they alias still.
+#[derive(Default)]
+struct Seen(std::collections::HashSet<usize>);
+
+impl Seen {
+    /// Notes `obj`; `Whole` when it was met before.
+    fn once(&mut self, obj: &Bound<'_, PyAny>) -> Result<(), Refused> {
+        if self.0.insert(obj.as_ptr() as usize) {
+            Ok(())
+        } else {
+            Err(Refused::Whole)
+        }
+    }
+}
+
+fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut Seen) -> Result<Value, Refused> {
     if depth >= tensorshare::value::MAX_DEPTH {
-        return Err(Refused::TooDeep);
+        return Err(Refused::Whole);
     }
     if obj.is_none() {
         return Ok(Value::None);
@@ -100,6 +121,7 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
         if let Ok(i) = obj.extract::<i64>() {
             return Ok(Value::Int(i));
         }
+        seen.once(obj)?;
         return Ok(pickled(py, obj)?);
     }
     if obj.is_exact_instance_of::<PyFloat>() {
@@ -112,10 +134,11 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
         return Ok(Value::Bytes(obj.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes().to_vec()));
     }
     if obj.is_exact_instance_of::<PyList>() {
+        seen.once(obj)?;
         let list = obj.cast::<PyList>().map_err(PyErr::from)?;
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
-            out.push(value_of(py, &item, depth + 1)?);
+            out.push(value_of(py, &item, depth + 1, seen)?);
         }
         return Ok(Value::List(out));
     }
@@ -123,21 +146,23 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Valu
         let tuple = obj.cast::<PyTuple>().map_err(PyErr::from)?;
         let mut out = Vec::with_capacity(tuple.len());
         for item in tuple.iter() {
-            out.push(value_of(py, &item, depth + 1)?);
+            out.push(value_of(py, &item, depth + 1, seen)?);
         }
         return Ok(Value::Tuple(out));
     }
     if obj.is_exact_instance_of::<PyDict>() {
+        seen.once(obj)?;
         let dict = obj.cast::<PyDict>().map_err(PyErr::from)?;
         let mut out = Vec::with_capacity(dict.len());
         for (k, v) in dict.iter() {
-            out.push((value_of(py, &k, depth + 1)?, value_of(py, &v, depth + 1)?));
+            out.push((value_of(py, &k, depth + 1, seen)?, value_of(py, &v, depth + 1, seen)?));
         }
         return Ok(Value::Dict(out));
     }
     if let Some(v) = handle_of(py, obj)? {
         return Ok(v);
     }
+    seen.once(obj)?;
     Ok(pickled(py, obj)?)
 }
 

@@ -686,3 +686,54 @@ def test_empty_tells_apart_a_value_and_a_wake_up_once_someone_waits_on_the_queue
     assert q.empty()
     q.put("b")
     assert not q.empty() and q.get(timeout=60) == "b" and q.empty()
+
+
+class _Node:
+    def __init__(self):
+        self.v = 0
+
+
+def _identities(q, out):
+    lists, dicts, nodes, tensors, handles = q.get(timeout=60)
+    lists[0].append(1)
+    nodes[0].v = 42
+    out.put(
+        (
+            lists[1] == [1],
+            dicts["x"] is dicts["y"],
+            nodes[1].v,
+            tensors[0] is tensors[1],
+            handles[0].data_ptr() == handles[1].data_ptr(),
+        )
+    )
+
+
+def test_an_object_in_two_places_of_a_value_is_one_object_in_the_receiver(ctx):
+    # Before: each place became a copy of its own (a list, a dict, an object pickled once
+    # per place), where pickle and torch.multiprocessing keep one object. Tensors in a value
+    # that is pickled whole are one object too; in a value sent as handles (what a Rust
+    # receiver reads) each place is a tensor over the one storage.
+    torch = import_torch()
+    shared_list, cfg, node, t = [], {"lr": 0.1}, _Node(), torch.zeros(3)
+    handles = torch.ones(2)
+    value = ([shared_list, shared_list], {"x": cfg, "y": cfg}, [node, node], (t, t), (handles, handles))
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_identities, args=(q, out))
+    p.start()
+    try:
+        q.put(value)
+        assert out.get(timeout=60) == (True, True, 42, True, True)
+    finally:
+        p.join(60)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0
+    # Without any object in two places, tensors in two places stay handles.
+    got = tensorshare.roundtrip((handles, handles))
+    assert got[0].data_ptr() == got[1].data_ptr() == handles.data_ptr()
+    # A list that holds itself is pickled at once, not after 256 levels.
+    a = [1]
+    a.append(a)
+    b = tensorshare.roundtrip(a)
+    assert b[1] is b

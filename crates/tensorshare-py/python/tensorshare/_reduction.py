@@ -291,10 +291,22 @@ class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._inner = inner
         self._by_value = by_value
+        # The persistent id given to each object set aside, by id (pickle's memo does not
+        # see them): an object met twice is one object in the receiver too.
+        self._given = {}
 
     def persistent_id(self, obj):
         if type(obj) is _Copy:
             return ("copy", obj.data)
+        given = self._given.get(id(obj))
+        if given is not None:
+            return given[1]
+        pid = self._set_aside(obj)
+        if pid is not None:
+            self._given[id(obj)] = (obj, pid)  # obj kept, so that its id is not reused
+        return pid
+
+    def _set_aside(self, obj):
         if isinstance(obj, (_native.Queue, _native.Connection)) or tensor_parts_cheap(obj):
             self._inner.append(obj)
             return len(self._inner) - 1
