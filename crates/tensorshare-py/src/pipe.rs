@@ -6,9 +6,9 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use pyo3::exceptions::{PyEOFError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyBrokenPipeError, PyEOFError, PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyMemoryView, PySlice};
 use tensorshare::{pipe, Connection, Error, Value};
 
 use crate::convert::{from_value, to_value};
@@ -42,6 +42,15 @@ impl PyConnection {
     }
 }
 
+/// `buf`'s bytes as a flat memoryview of bytes (its items cast to bytes when larger).
+fn as_bytes_view<'py>(buf: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let view = PyMemoryView::from(buf)?.into_any();
+    if view.getattr("itemsize")?.extract::<usize>()? == 1 && view.getattr("ndim")?.extract::<usize>()? == 1 {
+        return Ok(view);
+    }
+    view.call_method1("cast", ("B",))
+}
+
 /// A pair of connected ends: both duplex, or (with `duplex=False`) a reading end and a
 /// writing end, as `multiprocessing.Pipe` returns them.
 #[pyfunction]
@@ -66,7 +75,14 @@ impl PyConnection {
         }
         let end = self.end()?;
         let value = to_value(py, obj)?;
-        py.detach(move || end.send(value).map_err(|e| e.into_parts().1)).map_err(to_py)
+        match py.detach(move || end.send(value).map_err(|e| e.into_parts().1)) {
+            Ok(()) => Ok(()),
+            // As multiprocessing's (the OS's EPIPE): nobody can receive what is sent.
+            Err(Error::Disconnected) => {
+                Err(PyBrokenPipeError::new_err("the other end of the pipe is closed"))
+            }
+            Err(e) => Err(to_py(e)),
+        }
     }
 
     /// Receives the next value; `EOFError` once the other end is closed and nothing is left.
@@ -108,19 +124,60 @@ impl PyConnection {
         }
     }
 
-    /// Sends `buf[offset:offset+size]` as one message of bytes.
+    /// Sends bytes `offset..offset + size` of `buf` (any object with the buffer protocol:
+    /// `bytes`, `bytearray`, `memoryview`, `array`, a numpy array, read as bytes) as one
+    /// message of bytes; `ValueError` for an offset or size outside it, as multiprocessing.
     #[pyo3(signature = (buf, offset = 0, size = None))]
-    fn send_bytes(&self, py: Python<'_>, buf: &[u8], offset: usize, size: Option<usize>) -> PyResult<()> {
-        let end_at = match size {
-            Some(n) => offset.checked_add(n),
-            None => Some(buf.len()),
+    fn send_bytes(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        offset: i64,
+        size: Option<i64>,
+    ) -> PyResult<()> {
+        let bytes = as_bytes_view(buf)?;
+        let n = i64::try_from(bytes.len()?).map_err(|_| PyValueError::new_err("buffer too large"))?;
+        if offset < 0 {
+            return Err(PyValueError::new_err("offset is negative"));
+        }
+        if n < offset {
+            return Err(PyValueError::new_err("buffer length < offset"));
+        }
+        let size = match size {
+            None => n - offset,
+            Some(s) if s < 0 => return Err(PyValueError::new_err("size is negative")),
+            Some(s) if offset.checked_add(s).is_none_or(|e| e > n) => {
+                return Err(PyValueError::new_err("buffer length < offset + size"))
+            }
+            Some(s) => s,
         };
-        let slice = end_at
-            .filter(|&e| offset <= e && e <= buf.len())
-            .map(|e| &buf[offset..e])
-            .ok_or_else(|| PyValueError::new_err("buffer length < offset + size"))?;
-        let bytes = PyBytes::new(py, slice);
-        self.send(py, bytes.as_any())
+        let part = bytes.get_item(PySlice::new(py, offset as isize, (offset + size) as isize, 1))?;
+        let part = part.call_method0("tobytes")?;
+        self.send(py, &part)
+    }
+
+    /// Receives one message of bytes into `buf` (a writable buffer) from byte `offset` on,
+    /// and returns its length, as multiprocessing's: `multiprocessing.BufferTooShort`, which
+    /// holds the message, when it does not fit (the message is taken all the same).
+    #[pyo3(signature = (buf, offset = 0))]
+    fn recv_bytes_into(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, offset: i64) -> PyResult<usize> {
+        let bytes = as_bytes_view(buf)?;
+        let n = i64::try_from(bytes.len()?).map_err(|_| PyValueError::new_err("buffer too large"))?;
+        if offset < 0 {
+            return Err(PyValueError::new_err("negative offset"));
+        }
+        if offset > n {
+            return Err(PyValueError::new_err("offset too large"));
+        }
+        let got = self.recv_bytes(py, None)?;
+        let size = got.len()?;
+        let end = usize::try_from(offset).ok().and_then(|o| o.checked_add(size));
+        if end.is_none_or(|e| e > n as usize) {
+            let short = py.import("multiprocessing")?.getattr("BufferTooShort")?;
+            return Err(PyErr::from_value(short.call1((got,))?));
+        }
+        bytes.set_item(PySlice::new(py, offset as isize, end.unwrap_or(0) as isize, 1), got)?;
+        Ok(size)
     }
 
     /// Receives one message of bytes (sent by `send_bytes`); `OSError` when it is longer

@@ -1,6 +1,7 @@
 """Pipes between Python processes: ends carry tensors and arrays as handles, with the
 behaviour of multiprocessing's connections."""
 
+import multiprocessing
 import multiprocessing.connection
 
 import numpy as np
@@ -45,8 +46,10 @@ def _exit_at_once(conn):
     conn.close()
 
 
-def test_recv_raises_eoferror_once_the_other_end_is_gone():
-    ctx = mp.get_context("fork")
+def test_recv_raises_eoferror_once_the_other_end_is_gone(ctx):
+    # Before, under spawn and forkserver, the parent kept its copies of the descriptors of
+    # the child's arguments until the Process object went, so the other end stayed open
+    # here and recv waited for good.
     ours, theirs = ctx.Pipe()
     p = ctx.Process(target=_exit_at_once, args=(theirs,))
     p.start()
@@ -96,3 +99,53 @@ def test_an_end_travels_through_a_queue(ctx):
     got = q.get(timeout=10)
     got.send("through the received end")
     assert a.recv() == "through the received end"
+
+
+def _echo_bytes(conn):
+    conn.send_bytes(conn.recv_bytes())
+    conn.close()
+
+
+def test_bytes_like_objects_and_recv_bytes_into_as_multiprocessing(ctx):
+    # Before: send_bytes took bytes only, recv_bytes_into did not exist, a bad offset was
+    # an OverflowError, and sending to a closed peer an EOFError.
+    import array
+
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=_echo_bytes, args=(theirs,))
+    p.start()
+    theirs.close()
+    try:
+        ours.send_bytes(np.arange(4, dtype=np.int32), 4, 8)  # items 1 and 2, as bytes
+        into = bytearray(b"." * 12)
+        assert ours.recv_bytes_into(into, 2) == 8
+        assert bytes(into) == b".." + np.array([1, 2], dtype=np.int32).tobytes() + b".."
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    with pytest.raises(BrokenPipeError):
+        ours.send_bytes(b"nobody reads")
+
+    a, b = mp.Pipe()
+    for buf in (bytearray(b"abc"), memoryview(b"abc"), array.array("b", b"abc")):
+        b.send_bytes(buf)
+        assert a.recv_bytes() == b"abc"
+    b.send_bytes(b"0123456789")
+    with pytest.raises(multiprocessing.BufferTooShort) as short:
+        a.recv_bytes_into(bytearray(4))
+    assert short.value.args[0] == b"0123456789"
+    floats = array.array("f", [0.0] * 4)
+    b.send_bytes(array.array("f", [1.5, 2.5]))
+    assert a.recv_bytes_into(floats, 4) == 8 and floats.tolist() == [0.0, 1.5, 2.5, 0.0]
+    for offset, size, message in [
+        (-1, None, "negative"),
+        (5, None, "< offset"),
+        (0, -1, "negative"),
+        (2, 2, "offset \\+ size"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            b.send_bytes(b"abc", offset, size)
+    with pytest.raises(ValueError, match="negative offset"):
+        a.recv_bytes_into(bytearray(2), -1)
+    with pytest.raises(ValueError, match="offset too large"):
+        a.recv_bytes_into(bytearray(2), 3)

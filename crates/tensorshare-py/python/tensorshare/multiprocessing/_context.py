@@ -19,7 +19,7 @@ _SHM_GROUP_ENV = "TENSORSHARE_SHM_GROUP"
 
 def _export_for_child(obj):
     """``obj`` as bytes and descriptors for the process being started (spawn or
-    forkserver); the descriptors stay open as long as that process's Popen object."""
+    forkserver); the descriptors stay open until it is started (``ByValueMixin.start``)."""
     popen = multiprocessing.context.get_spawning_popen()
     if popen is None:
         raise RuntimeError(
@@ -120,6 +120,19 @@ class ByValueMixin:
         self._target, self._args, self._kwargs = payload
 
     def start(self):
+        try:
+            self._start_in_group()
+        finally:
+            # The child has its copies of the descriptors its arguments hold once it is
+            # started (spawn passes them as it runs the child, a fork server has them in
+            # flight in its socket): ours go now, not with the Popen object, or a pipe end
+            # the parent closed would stay open here, and the parent's recv would wait for
+            # good after the child has gone instead of raising EOFError.
+            popen = getattr(self, "_popen", None)
+            if popen is not None:
+                popen.__dict__.pop("_tensorshare_parcels", None)
+
+    def _start_in_group(self):
         # The group is in the environment the child starts with (and a fork server started
         # now), for as long as it takes to start it: a child whose main module makes a named
         # segment on import, before it reads its state, joins it too. Not left there, or
