@@ -253,12 +253,14 @@ impl PyQueue {
                 // No other handle can put now; but this process may still put (Python's
                 // queues are both ends, and threads share them), so wait as Python's own
                 // queues do: until something arrives or the deadline.
+                // Not by waiting on `fileno`: that would route the queue's values through its
+                // socket from then on, where `empty` cannot tell a value from a wake-up
+                // without taking it. Naps instead: this process's own puts are rare here.
                 Err(Error::Disconnected) => {
                     if slice.is_zero() || deadline.is_some_and(|d| Instant::now() >= d) {
                         return Ok(None);
                     }
-                    let fd = self.fileno();
-                    py.detach(|| wait_readable(fd, slice));
+                    py.detach(|| std::thread::sleep(slice.min(ALONE_NAP)));
                     py.check_signals()?;
                 }
                 Err(e) => return Err(to_py(e)),
@@ -267,13 +269,9 @@ impl PyQueue {
     }
 }
 
-/// Waits until `fd` is readable or `timeout` passes.
-fn wait_readable(fd: i32, timeout: Duration) {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
-    // SAFETY: `pfd` is a valid pollfd for the duration of the call, and the count is 1.
-    unsafe { libc::poll(&mut pfd, 1, ms) };
-}
+/// How long a `get` on a queue no other process holds naps between looks for what this
+/// process's other threads put.
+const ALONE_NAP: Duration = Duration::from_millis(5);
 
 #[pymethods]
 impl PyQueue {
@@ -438,11 +436,13 @@ impl PyQueue {
         slf.py().import("tensorshare.multiprocessing._context")?.call_method1("reduce_native", (slf,))
     }
 
-    fn __repr__(&self) -> String {
+    /// Names the queue by its object, not by `fileno` (which would route its values through
+    /// its socket from then on: see `empty`).
+    fn __repr__(slf: &Bound<'_, Self>) -> String {
         format!(
-            "<tensorshare {} at fd {}>",
-            if self.simple() { "SimpleQueue" } else { "Queue" },
-            self.fileno()
+            "<tensorshare {} at {:#x}>",
+            if slf.get().simple() { "SimpleQueue" } else { "Queue" },
+            slf.as_ptr() as usize
         )
     }
 }

@@ -633,6 +633,7 @@ static MOVING: Mutex<Vec<Claim>> = Mutex::new(Vec::new());
 #[derive(Clone)]
 struct Claim {
     pid: u32,
+    thread: std::thread::ThreadId,
     addr: usize,
     over: Arc<(Mutex<bool>, Condvar)>,
 }
@@ -642,9 +643,11 @@ struct Claim {
 struct Moving(Claim);
 
 impl Moving {
-    /// The claim on moving `storage`, or, when another thread is moving it, the block it
-    /// moved it into, once it is done (the claim is taken anew if the storage is in no
-    /// block then).
+    /// The claim on moving `storage`, or the block it is in once the claim is taken (a
+    /// thread moved it between the caller's look and this claim, or was moving it and is
+    /// done: the claim is taken anew if the storage is in no block then). A thread that is
+    /// moving the storage already (Python code run in the middle of its move, by the GC,
+    /// sends it again) gets an error, rather than wait for itself.
     fn claim<'py>(
         py: Python<'py>,
         api: &Api,
@@ -653,25 +656,41 @@ impl Moving {
         loop {
             let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
             let pid = std::process::id();
+            let thread = std::thread::current().id();
             let other = {
                 let mut moving = MOVING.lock().unwrap_or_else(|p| p.into_inner());
                 moving.retain(|c| c.pid == pid);
                 match moving.iter().find(|c| c.addr == addr) {
-                    Some(c) => c.over.clone(),
+                    Some(c) if c.thread == thread => {
+                        return Err(PyRuntimeError::new_err(
+                            "a storage was sent again while this thread was moving it into shared \
+                             memory (by code run in the middle of the move)",
+                        ))
+                    }
+                    Some(c) => Some(c.over.clone()),
                     None => {
-                        let claim = Claim { pid, addr, over: Arc::default() };
+                        let claim = Claim { pid, thread, addr, over: Arc::default() };
                         moving.push(claim.clone());
-                        return Ok(Ok(Moving(claim)));
+                        drop(moving);
+                        let claim = Moving(claim);
+                        // Moved into a block before the claim (another thread, after the
+                        // caller looked): that block, and no move.
+                        if let (Some(block), _) = block_of(py, api, storage)? {
+                            return Ok(Err(block));
+                        }
+                        return Ok(Ok(claim));
                     }
                 }
             };
-            py.detach(|| {
-                let (lock, cv) = &*other;
-                let mut over = lock.lock().unwrap_or_else(|p| p.into_inner());
-                while !*over {
-                    over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
-                }
-            });
+            if let Some(other) = other {
+                py.detach(|| {
+                    let (lock, cv) = &*other;
+                    let mut over = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    while !*over {
+                        over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
+                    }
+                });
+            }
             if let (Some(block), _) = block_of(py, api, storage)? {
                 return Ok(Err(block));
             }

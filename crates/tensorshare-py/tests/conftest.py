@@ -58,12 +58,12 @@ def run_python(code, timeout=120, env=None, script_dir=None):
     if script_dir is None:
         args = [sys.executable, "-c", code]
     else:
-        path = os.path.join(script_dir, "main.py")
-        with open(path, "w") as f:
+        with open(os.path.join(script_dir, "main.py"), "w") as f:
             f.write(code)
-        args = [sys.executable, path]
+        args = [sys.executable, "main.py"]  # by a relative path, as users start scripts
     with subprocess.Popen(
         args,
+        cwd=script_dir,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

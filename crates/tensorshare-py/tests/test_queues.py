@@ -644,6 +644,12 @@ def test_empty_takes_no_value_away_from_the_processes_that_read_the_queue(ctx, k
     # parent waiting for its workers with `while not q.empty()` kept one task from them
     # (and waited for good).
     q, out = getattr(ctx, kind)(), ctx.Queue()
+    # Neither naming the queue nor a get that waits on it with no other process holding
+    # it may make empty() take values (both used to route them through the socket).
+    assert "tensorshare" in repr(q) and "tensorshare" in repr(q._q)
+    if kind != "SimpleQueue":  # whose get takes no timeout
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.05)
     for i in range(10):
         q.put(i)
     assert not q.empty()

@@ -5,6 +5,7 @@ cross-language ``Value`` and back; not a public interface.
 """
 
 import io
+import os
 import pickle
 import reprlib
 import sys
@@ -386,13 +387,29 @@ def _main_reduction(obj, inner):
     except Exception:
         del inner[start:]
         data = None
-    return (_from_main, (obj.__qualname__, _Copy(data)))
+    return (_from_main, (obj.__qualname__, _Copy(data), _where(obj)))
 
 
-def _from_main(qualname, copy):
-    """The main module's ``qualname`` in this process, or else its copy by value."""
+def _where(obj):
+    """Where a function was defined (its file's name and first line; None for a class):
+    what tells the receiver's function of that name apart from another of the same name
+    (one defined again under ``if __name__ == "__main__":``, a notebook cell run again).
+    The file's name only: a spawned child runs the main script by its absolute path, which
+    the parent may have been given relative."""
+    code = getattr(obj, "__code__", None)
+    return None if code is None else (os.path.basename(code.co_filename), code.co_firstlineno)
+
+
+def _from_main(qualname, copy, where=None):
+    """The main module's ``qualname`` in this process, when it is a function or class of
+    that name defined where the sender's was; or else its copy by value."""
     found = _in_main(qualname)
-    if found is not None:
+    if (
+        isinstance(found, (types.FunctionType, type))
+        and getattr(found, "__module__", None) in _MAIN_MODULES
+        and getattr(found, "__qualname__", None) == qualname
+        and _where(found) == where
+    ):
         return found
     if copy.data is None:
         raise pickle.UnpicklingError(

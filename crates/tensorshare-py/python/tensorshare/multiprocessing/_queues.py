@@ -62,7 +62,9 @@ class _Wrapper:
         self._closed = True
 
     def __repr__(self):
-        return f"<tensorshare {type(self).__name__} at fd {self._q.fileno()}>"
+        # Not by fileno(), which routes the queue's values through its socket from then on
+        # (where empty() cannot tell a value from a wake-up without taking it).
+        return f"<tensorshare {type(self).__name__} at {id(self):#x}>"
 
 
 def _rebuild(cls, q):
