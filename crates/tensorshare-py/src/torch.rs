@@ -667,7 +667,7 @@ impl Moving {
                              memory (by code run in the middle of the move)",
                         ))
                     }
-                    Some(c) => Some(c.over.clone()),
+                    Some(c) => c.over.clone(),
                     None => {
                         let claim = Claim { pid, thread, addr, over: Arc::default() };
                         moving.push(claim.clone());
@@ -682,15 +682,13 @@ impl Moving {
                     }
                 }
             };
-            if let Some(other) = other {
-                py.detach(|| {
-                    let (lock, cv) = &*other;
-                    let mut over = lock.lock().unwrap_or_else(|p| p.into_inner());
-                    while !*over {
-                        over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
-                    }
-                });
-            }
+            py.detach(|| {
+                let (lock, cv) = &*other;
+                let mut over = lock.lock().unwrap_or_else(|p| p.into_inner());
+                while !*over {
+                    over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
+                }
+            });
             if let (Some(block), _) = block_of(py, api, storage)? {
                 return Ok(Err(block));
             }

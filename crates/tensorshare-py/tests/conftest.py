@@ -79,6 +79,15 @@ def run_python(code, timeout=120, env=None, script_dir=None):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def reap(p, timeout=LONG):
+    """Joins child process ``p``, killing it if it has not ended within ``timeout`` seconds
+    (a test that failed while it still waited for the test)."""
+    p.join(timeout)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+
+
 def method_of(ctx):
     return ctx.get_start_method()
 

@@ -179,37 +179,34 @@ def test_a_main_function_that_cannot_be_copied_names_itself_where_it_cannot_be_f
     assert "locked is not in this process's main module" in out.stdout, (out.stdout, out.stderr)
 
 
-def test_a_function_defined_again_under_the_main_guard_is_the_one_that_runs():
+def test_a_function_defined_again_under_the_main_guard_is_the_one_that_runs(tmp_path):
     # The receiver's main module has a function of that name, but another one (defined at
     # the top of the script, where the sender's is under `if __name__ == "__main__":`): the
     # copy by value runs, not the receiver's.
-    import tempfile
+    out = run_python(
+        """
+        import tensorshare.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as d:
-        out = run_python(
-            """
-            import tensorshare.multiprocessing as mp
+        def handler(x):
+            return "the module's"
 
+        def child(q, out):
+            out.put(q.get(timeout=60)(0))
+
+        if __name__ == "__main__":
             def handler(x):
-                return "the module's"
+                return "the one sent"
 
-            def child(q, out):
-                out.put(q.get(timeout=60)(0))
-
-            if __name__ == "__main__":
-                def handler(x):
-                    return "the one sent"
-
-                ctx = mp.get_context("spawn")
-                q, out = ctx.Queue(), ctx.Queue()
-                p = ctx.Process(target=child, args=(q, out))
-                p.start()
-                q.put(handler)
-                print(out.get(timeout=60))
-                p.join(60)
-            """,
-            timeout=120,
-            script_dir=d,
-        )
+            ctx = mp.get_context("spawn")
+            q, out = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=child, args=(q, out))
+            p.start()
+            q.put(handler)
+            print(out.get(timeout=60))
+            p.join(60)
+        """,
+        timeout=120,
+        script_dir=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "the one sent\n", out.stderr

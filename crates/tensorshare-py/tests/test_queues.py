@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tensorshare
-from conftest import import_torch, run_python
+from conftest import import_torch, reap, run_python
 
 
 def _echo(q_in, q_out):
@@ -552,10 +552,7 @@ def test_a_child_that_drops_a_queue_goes_on_and_still_writes_it_out_before_it_le
         got = [int.from_bytes(q.get(timeout=60)[:4], "little") for _ in range(3000)]
         assert got == list(range(3000))
     finally:
-        p.join(60)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        reap(p)
     assert p.exitcode == 0
 
 
@@ -580,10 +577,7 @@ def test_a_joinable_queue_counts_tasks_across_processes(ctx):
         q.join()  # returns once the child has called task_done for all 51
         assert sorted(results.get(timeout=60) for _ in range(50)) == [2 * i for i in range(50)]
     finally:
-        p.join(60)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        reap(p)
     assert p.exitcode == 0
     with pytest.raises(ValueError, match="task_done"):
         q.task_done()
@@ -658,10 +652,7 @@ def test_empty_takes_no_value_away_from_the_processes_that_read_the_queue(ctx, k
     try:
         assert out.get(timeout=60) == list(range(10))
     finally:
-        p.join(60)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        reap(p)
     assert p.exitcode == 0
     assert q.empty()
 
@@ -730,10 +721,7 @@ def test_an_object_in_two_places_of_a_value_is_one_object_in_the_receiver(ctx):
         q.put(value)
         assert out.get(timeout=60) == (True, True, 42, True, True)
     finally:
-        p.join(60)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        reap(p)
     assert p.exitcode == 0
     # Without any object in two places, tensors in two places stay handles.
     got = tensorshare.roundtrip((handles, handles))

@@ -6,7 +6,7 @@ could hang or crash runs in a Python process of its own, under a timeout."""
 
 import pytest
 
-from conftest import LONG, import_torch, run_python
+from conftest import LONG, import_torch, reap, run_python
 
 FINALISER_USES_THE_REGISTRY = """
     import gc
@@ -439,9 +439,6 @@ def test_two_threads_sending_one_large_new_tensor_at_once_send_the_same_memory()
             q.put(None)
         assert done.get(timeout=LONG) == "done"
     finally:
-        p.join(LONG)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        reap(p)
     assert p.exitcode == 0
     assert [t[:2].tolist() for t in sent] == [[1000.0 + k] * 2 for k in range(10)]
