@@ -118,7 +118,9 @@ macro_rules! queue_type {
             /// [`is_empty`](Self::is_empty)), `Some(true)` when one does. `None` when what
             /// waits is a record in the queue's socket while someone waits on
             /// [`poll_fd`](Self::poll_fd): it may be a wake-up with no value, which only
-            /// [`try_get`](Self::try_get) tells.
+            /// [`try_get`](Self::try_get) tells. A value another process is still putting
+            /// does not count yet, so a producer killed in the middle of its put leaves no
+            /// value this says waits for good.
             pub fn has_ready(&self) -> Option<bool> {
                 self.core.has_ready()
             }

@@ -220,11 +220,12 @@ impl Core {
         socket_empty && !self.outbox.pending() && self.control.lane().is_empty()
     }
 
-    /// See `Queue::has_ready`. The socket is looked at before the flag: nudges (records
-    /// without a message) are written only after the flag is set, and it is never cleared,
-    /// so a record seen while the flag is still clear is a message.
+    /// See `Queue::has_ready`. A lane position claimed and not yet published counts for
+    /// nothing: its producer may have died there. The socket is looked at before the flag:
+    /// nudges (records without a message) are written only after the flag is set, and it
+    /// is never cleared, so a record seen while the flag is still clear is a message.
     pub(super) fn has_ready(&self) -> Option<bool> {
-        if self.outbox.pending() || !self.control.lane().is_empty() {
+        if self.outbox.pending() || self.control.lane().has_published() {
             return Some(true);
         }
         let in_socket =

@@ -32,6 +32,21 @@ fn a_position_claimed_and_never_published_is_skipped() {
     assert!(core.try_get::<u32>().unwrap().is_none(), "nothing came twice");
 }
 
+/// A position claimed and never published is no value that waits: `has_ready` (Python's
+/// `empty()`) does not promise one that never comes, and still sees one published behind it.
+#[test]
+fn a_position_claimed_and_never_published_is_no_value_ready() {
+    let core = core();
+    let ring = core.control.lane();
+    let Claim::At(_dead) = ring.claim() else { panic!("an empty ring is not full") };
+    let _another_handle = core.clone();
+    assert_eq!(core.has_ready(), Some(false), "a claim alone is no value");
+    core.put(7u32, Deadline::after(None)).map_err(|e| e.into_parts().1).unwrap();
+    assert_eq!(core.has_ready(), Some(true), "the value behind the dead claim");
+    assert_eq!(core.get::<u32>(soon()).unwrap(), 7);
+    assert_eq!(core.has_ready(), Some(false));
+}
+
 /// A lane message may name only arenas its queue's directory holds: one naming an arena
 /// of the consumer's own that was never sent through the queue is refused (the consumer
 /// has it mapped, so a lookup by identity alone would find it), as are garbage and a

@@ -195,6 +195,19 @@ impl<'a> Ring<'a> {
             .count()
     }
 
+    /// Whether a published message waits to be taken: claimed positions whose message is
+    /// still being written are not counted, so a producer that died between its claim and
+    /// its publish leaves no message here that never comes. At most a lap is looked at,
+    /// whatever a peer wrote.
+    pub(crate) fn has_published(&self) -> bool {
+        let ends = self.ends();
+        let head = ends.head.load(Ordering::SeqCst);
+        let claimed = (ends.tail.load(Ordering::SeqCst).wrapping_sub(head) as i64).clamp(0, CELLS as i64);
+        (0..claimed as u64)
+            .map(|i| head.wrapping_add(i))
+            .any(|q| self.cell(q).seq.load(Ordering::Acquire).wrapping_sub(q) == 1)
+    }
+
     /// Whether nothing is claimed past what consumers have taken.
     pub(crate) fn is_empty(&self) -> bool {
         let ends = self.ends();
