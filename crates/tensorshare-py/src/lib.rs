@@ -185,6 +185,13 @@ fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<B
     torch::move_storage_whole(py, api, storage)
 }
 
+/// Raises the error a put gives for a storage over a file that torch maps shared (see
+/// `torch::refuse_mapped_file`); nothing for any other storage.
+#[pyfunction]
+fn refuse_mapped_file(storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    torch::refuse_mapped_file(storage)
+}
+
 /// Puts tensorshare's SIGBUS handler back on top of one installed since (torch's DataLoader
 /// workers install one): see `tensorshare::segments::guard_sigbus`.
 #[pyfunction]
@@ -276,6 +283,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(refuse_mapped_file, m)?)?;
     m.add_function(wrap_pyfunction!(flush_queues, m)?)?;
     m.add_function(wrap_pyfunction!(wait_dropped_queues, m)?)?;
     m.add_function(wrap_pyfunction!(adopt_forked_queues, m)?)?;

@@ -463,24 +463,41 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
 /// may map it there (torch's queues, a DataLoader's workers, a model shared before
 /// tensorshare was imported), and a move would leave them apart from this one. Both are
 /// pickled with torch's own reductions instead (`_reduction.torch_reduction`), which share
-/// the storage where it is, as torch.multiprocessing would. A file torch maps
-/// (`torch.from_file`) is no shared memory of torch's (no descriptor to share): it moves.
+/// the storage where it is, as torch.multiprocessing would. A file torch maps privately
+/// (`torch.from_file(..., shared=False)`) is no shared memory of torch's (no descriptor to
+/// share): it moves. A file torch maps shared is an error (see [`MAPPED_FILE_REFUSED`]).
 /// `_reduction.torch_shares` decides alike.
 fn moves_into_block(api: &Api, storage: &Bound<'_, PyAny>, nbytes: usize) -> PyResult<bool> {
     if nbytes == 0 {
         return Ok(true);
     }
-    if api.storage_swap.is_none() {
-        return Ok(false);
+    if api.storage_is_shared.call0(storage)?.extract::<bool>()? {
+        // torch's named segments (its file_system strategy) have no descriptor here: it raises.
+        match api.storage_shared_fd.call0(storage) {
+            Ok(fd) if fd.extract::<i64>()? < 0 => refuse_mapped_file(storage)?,
+            _ => return Ok(false),
+        }
     }
-    if !api.storage_is_shared.call0(storage)?.extract::<bool>()? {
-        return Ok(true);
+    Ok(api.storage_swap.is_some())
+}
+
+/// Why a storage over a file that torch maps shared is not sent.
+const MAPPED_FILE_REFUSED: &str = "is a file that torch maps shared (torch.from_file(..., shared=True)), \
+    which tensorshare does not send: moving it into shared memory would stop its writes from \
+    reaching the file, and the file itself cannot be shared safely (a process that shortens it \
+    makes every process that maps it crash). Send a copy (t.clone()), or map the file in the receiver";
+
+/// An error when `storage` (shared by torch's account, with no descriptor) is a file that
+/// torch maps shared: its name is known to torch (`UntypedStorage.filename`, which is None
+/// for anything else, and missing before torch 2.2).
+pub(crate) fn refuse_mapped_file(storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    let name = storage.getattr("filename").ok().filter(|n| !n.is_none());
+    match name {
+        Some(name) => {
+            Err(PyRuntimeError::new_err(format!("the storage of this tensor, {name}, {MAPPED_FILE_REFUSED}")))
+        }
+        None => Ok(()),
     }
-    // torch's named segments (its file_system strategy) have no descriptor here: it raises.
-    Ok(match api.storage_shared_fd.call0(storage) {
-        Ok(fd) => fd.extract::<i64>()? < 0,
-        Err(_) => false,
-    })
 }
 
 /// The live block `storage` (a CPU storage) is in, if any, and the storage's size.

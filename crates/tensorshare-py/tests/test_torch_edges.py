@@ -1,7 +1,8 @@
 """Edges of the torch conversion a hostile review found: the registry of blocks and torch
 storages entered again by a finaliser (or by another thread while one releases the GIL),
 a program that patches torch's Python classes, a storage torch's own reduction moved away,
-tensors with a negative or conjugate bit, and dtypes the wire has no kind for. A case that
+tensors with a negative or conjugate bit, dtypes the wire has no kind for, and a file torch
+maps. A case that
 could hang or crash runs in a Python process of its own, under a timeout."""
 
 import pytest
@@ -442,3 +443,51 @@ def test_two_threads_sending_one_large_new_tensor_at_once_send_the_same_memory()
         reap(p)
     assert p.exitcode == 0
     assert [t[:2].tolist() for t in sent] == [[1000.0 + k] * 2 for k in range(10)]
+
+
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+def _fill_with_sevens(q, back):
+    t = q.get(timeout=LONG)
+    t.fill_(7.0)
+    back.put(float(t.sum()))
+
+
+def test_a_tensor_over_a_file_torch_maps_shared_is_refused_and_stays_in_its_file(ctx, tmp_path):
+    """A move into a block would end the file's share of the tensor's writes, silently, and
+    torch's own queues cannot send it (no descriptor: its feeder fails and the reader waits
+    for good). A put refuses it however it is held, and sends what comes next; both
+    ``share_memory_`` leave it in its file, as torch's does. A file torch maps privately
+    moves, as before: its writes never reached the file."""
+    torch = import_torch()
+    import numpy as np
+
+    import tensorshare
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(4 * 256))
+    t = torch.from_file(str(path), shared=True, size=256, dtype=torch.float32)
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fill_with_sevens, args=(q, back))
+    p.start()
+    try:
+        for value in (t, t[10:20], {"x": [t[3:]]}, _Holder(t), t.untyped_storage()):
+            # (TypeError where the pickler met it, naming what held it.)
+            with pytest.raises((RuntimeError, TypeError), match=r"from_file\(\.\.\., shared=True\)"):
+                q.put(value)
+        assert tensorshare.share_memory_(t) is t
+        t.untyped_storage().share_memory_()
+        t[0] = 5.0
+        assert np.fromfile(path, dtype=np.float32)[0] == 5.0, "the tensor left its file"
+        private = torch.from_file(str(path), shared=False, size=256, dtype=torch.float32)
+        assert float(private[0]) == 5.0
+        q.put(private)
+        assert back.get(timeout=LONG) == 7.0 * 256
+        assert float(private[0]) == 7.0, "the private mapping was not moved in place"
+        assert np.fromfile(path, dtype=np.float32)[0] == 5.0
+    finally:
+        reap(p)
+    assert p.exitcode == 0

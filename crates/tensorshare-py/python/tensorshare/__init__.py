@@ -97,18 +97,20 @@ def share_memory_(t):
     tensorshare block needs torch >= 2.12 (``UntypedStorage._swap_data_ptr_``); an older
     torch moves the storage into its own shared memory instead (its ``share_memory_()``),
     and queues send it the way torch sends it. A storage already in torch's own shared
-    memory stays there (other processes may map it), as torch's ``share_memory_()`` leaves it.
+    memory stays there (other processes may map it), as torch's ``share_memory_()`` leaves it,
+    and so does a file torch maps shared (``torch.from_file(..., shared=True)``), whose writes
+    must go on reaching the file (a queue refuses to send such a tensor: send a copy).
 
     What views the old memory outside torch does not follow: a numpy array (``t.numpy()``)
     or a DLPack capsule taken before the move views the old memory, which is freed with the
     move, exactly as with torch's ``share_memory_()``. Take those after the move (or after
     the tensor's first ``put``, which moves it the same way)."""
-    from ._reduction import _is_ours, _torch, move_storage, torch_shares
+    from ._reduction import _is_ours, _torch, maps_file_shared, move_storage, torch_shares
 
     storage = t.untyped_storage()
     if _is_ours(storage):
         return t
-    if torch_shares(_torch(), storage):
+    if torch_shares(_torch(), storage) or maps_file_shared(storage):
         t.share_memory_()  # torch's own, which leaves its own shared memory as it is
     else:
         move_storage(storage)

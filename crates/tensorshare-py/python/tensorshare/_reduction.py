@@ -139,6 +139,14 @@ def _torch_shm_kind(torch, untyped):
     return "file_descriptor" if fd >= 0 else None
 
 
+def maps_file_shared(untyped):
+    """Whether torch maps CPU storage ``untyped`` from a file, shared
+    (``torch.from_file(..., shared=True)``): its writes reach the file, which a move into a
+    block would end. torch's ``share_memory_()`` leaves it where it is, and so does
+    ``tensorshare.share_memory_``; a put refuses it (``refuse_mapped_file`` in the extension)."""
+    return getattr(untyped, "filename", None) is not None
+
+
 def torch_shares(torch, untyped):
     """Whether CPU storage ``untyped``, in no block, is shared the way torch shares it rather
     than moved into a block: where this torch cannot move it (before 2.12), and where torch
@@ -180,7 +188,12 @@ def torch_reduction(obj):
     import torch.multiprocessing as torch_mp
     import torch.multiprocessing.reductions as reductions
 
-    strategy = _torch_shm_kind(torch, untyped) or _native.get_sharing_strategy()
+    strategy = _torch_shm_kind(torch, untyped)
+    if strategy is None:
+        # (torch before 2.12, which cannot move a storage: torch's own reduction would fail
+        # on a file it maps shared, with no descriptor to send.)
+        _native.refuse_mapped_file(untyped)
+        strategy = _native.get_sharing_strategy()
     # torch's reductions read its global strategy: set for this call, then given back.
     before = torch_mp.get_sharing_strategy()
     if before != strategy:
