@@ -2,6 +2,7 @@
 left in /dev/shm after SIGKILL, and a clear MemoryError (never a bus error) when shared
 memory is full. Each case runs in a Python process of its own."""
 
+import gc
 import os
 import select
 import shutil
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import STRATEGIES, import_torch, named_segments, run_python
+from conftest import LONG, STRATEGIES, import_torch, named_segments, reap, run_python
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -500,3 +501,81 @@ def test_a_child_whose_main_module_shares_on_import_joins_the_parents_group(meth
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exitcode 0" in out.stdout, out.stdout + out.stderr
+
+
+def _report_after(go, tensors, results):
+    go.wait(LONG)
+    results.put([(float(t.min()), float(t.max())) for t in tensors])
+
+
+def test_fork_children_keep_tensors_their_parent_dropped_and_allocated_over(strategy):
+    """Workers forked each with a shared buffer of its own (torch's pattern of a buffer per
+    worker, the loop's variable rebound, so the parent keeps none): the parent's next shared
+    tensors of that size must not take their memory while the workers read it."""
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    go, results = ctx.Event(), ctx.Queue()
+    procs = []
+    try:
+        for rank in range(3):
+            buf = torch.full((4096,), float(rank)).share_memory_()
+            procs.append(ctx.Process(target=_report_after, args=(go, [buf], results)))
+            procs[-1].start()
+        del buf
+        others = [torch.full((4096,), -1.0).share_memory_() for _ in range(100)]
+        go.set()
+        got = sorted(results.get(timeout=LONG)[0] for _ in procs)
+    finally:
+        go.set()
+        for p in procs:
+            reap(p)
+    assert got == [(float(r), float(r)) for r in range(3)], "a worker's buffer was written over"
+    assert all(p.exitcode == 0 for p in procs)
+    del others
+
+
+def _fork_a_reader_then_drop(q, dropped, allocated, results):
+    import tensorshare.multiprocessing as mp
+
+    tensors = q.get(timeout=LONG)
+    q.get(timeout=LONG)  # a second message: the first one's holds are settled by now
+    reader = mp.get_context("fork").Process(target=_report_after, args=(allocated, tensors, results))
+    reader.start()
+    del tensors
+    gc.collect()
+    dropped.set()
+    reader.join(LONG)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_fork_child_of_a_receiver_keeps_what_the_receiver_dropped(method):
+    """A process that received tensors forks a child that reads them, then drops its own:
+    the creator, which dropped its own too, must not hand their memory out again while the
+    child reads it (the receiver's locks are on a description the child shares, so the
+    receiver's unlock would have let them go for both)."""
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context(method)
+    q, results = ctx.Queue(), ctx.Queue()
+    dropped, allocated = ctx.Event(), ctx.Event()
+    middle = ctx.Process(target=_fork_a_reader_then_drop, args=(q, dropped, allocated, results))
+    middle.start()
+    try:
+        # 1 MiB each: the size class's arenas have 8 slots, soon come round to again.
+        tensors = [torch.full((1 << 18,), 5.0) for _ in range(8)]
+        q.put(tensors)
+        q.put("settle")
+        assert dropped.wait(LONG)
+        del tensors
+        others = [torch.full((1 << 18,), -1.0).share_memory_() for _ in range(40)]
+        allocated.set()
+        got = results.get(timeout=LONG)
+    finally:
+        allocated.set()
+        reap(middle)
+    assert got == [(5.0, 5.0)] * 8, "the child's tensors were written over"
+    assert middle.exitcode == 0
+    del others

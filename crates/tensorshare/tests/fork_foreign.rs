@@ -199,3 +199,50 @@ fn drop_an_inherited_tensor_whose_arena_was_busy(_rank: usize, _: ()) {
         "the child hung or failed dropping an inherited tensor"
     );
 }
+
+/// A child forked while its parent holds a shared tensor reads that tensor's values for as
+/// long as it keeps it, though the parent drops its own handle and makes many tensors of
+/// that size meanwhile: the slot stays held for the child (the fork hold), not handed out
+/// again under it. In a helper process of its own, whose allocator no other test uses.
+#[test]
+fn a_forked_child_keeps_what_it_inherited_while_its_parent_allocates_again() {
+    common::isolated_with(keep_what_was_inherited, ());
+}
+
+fn keep_what_was_inherited(_rank: usize, _: ()) {
+    let mut t = Tensor::full(&[1024], 7.0f32);
+    t.share_memory().unwrap();
+    let (mut parent_end, mut child_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    // SAFETY: this helper process has one thread; the child reads the tensor it inherited
+    // when its parent says so, and leaves by _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            use std::io::Read;
+            let kept = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut word = [0u8; 1];
+                child_end.read_exact(&mut word).unwrap();
+                t.to_vec::<f32>().unwrap().iter().all(|&v| v == 7.0)
+            }));
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if matches!(kept, Ok(true)) { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    drop(t);
+    // More than an arena of this size class has slots: the allocator comes round to the
+    // slot the parent let go, and would hand it out again if nothing held it for the child.
+    let others: Vec<Tensor> = (0..200)
+        .map(|_| {
+            let mut x = Tensor::full(&[1024], -1.0f32);
+            x.share_memory().unwrap();
+            x
+        })
+        .collect();
+    std::io::Write::write_all(&mut parent_end, &[1]).unwrap();
+    assert!(
+        ended_by(pid, Instant::now() + PATIENCE),
+        "the child found its inherited tensor written over by its parent's new ones"
+    );
+    drop(others);
+}

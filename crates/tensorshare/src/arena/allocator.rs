@@ -183,7 +183,7 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     let slot_size = 1usize << shift;
     let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
     let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
-    let arena = Arc::new(Arena::create(slot_size, nslots, strategy)?);
+    let arena = super::listed(Arena::create(slot_size, nslots, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
     class.arenas.push(arena.clone());
@@ -211,7 +211,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
         }
     }
     retire_large(alloc, Some(want));
-    let arena = Arc::new(Arena::create(want, 1, strategy)?);
+    let arena = super::listed(Arena::create(want, 1, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
     alloc.large.push(arena.clone());

@@ -31,6 +31,7 @@
 
 mod allocator;
 mod borrow;
+mod fork_hold;
 mod hold;
 mod locks;
 mod send;
@@ -45,6 +46,7 @@ use crate::{Error, Result, SharingStrategy};
 
 pub(crate) use allocator::{allocate, allocate_now, trim, unlink_own_names};
 pub(crate) use borrow::{idle, let_go, settle};
+pub(crate) use fork_hold::listed;
 pub(crate) use hold::Slot;
 use locks::{conflict, lock_range, range_free, runs};
 
@@ -82,6 +84,9 @@ pub(crate) struct Arena {
     nslots: u32,
     creator: bool,
     generation: u64,
+    /// The creator's: a child was forked since its last claim, which may hold any slot
+    /// through its fork hold (see `fork_hold`): the next claim marks every slot exposed.
+    forked: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -103,6 +108,9 @@ struct State {
     nborrowed: usize,
     /// The creator's one-slot arena: since when it has had no handle here.
     idle_since: Option<std::time::Instant>,
+    /// In a forked child, the fork holds its parent made for it (see `fork_hold`): they hold
+    /// the slots the child inherited handles of until it drops the arena.
+    inherited: Vec<OwnedFd>,
 }
 
 /// The description messages from this process carry, with the slots locked on it.
@@ -143,6 +151,7 @@ impl Arena {
             nslots,
             creator,
             generation: crate::util::fork::generation(),
+            forked: AtomicBool::new(false),
             state: Mutex::new(State {
                 local: vec![0; n],
                 exposed: if creator { vec![false; n] } else { Vec::new() },
@@ -152,6 +161,7 @@ impl Arena {
                 borrowed: Vec::new(),
                 nborrowed: 0,
                 idle_since: None,
+                inherited: Vec::new(),
             }),
         }
     }
@@ -307,6 +317,10 @@ impl Arena {
     /// from which slot on it is worth asking again (past a run another holder locks).
     fn try_claim(&self, slot: u32) -> std::result::Result<(), u32> {
         let mut st = self.state();
+        if self.forked.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            // A child forked since may hold any slot it inherited a handle of.
+            st.exposed.iter_mut().for_each(|e| *e = true);
+        }
         let i = slot as usize;
         if st.local[i] != 0 {
             return Err(slot + 1);

@@ -45,6 +45,9 @@ pub(crate) enum Rank {
     Group,
     /// The arena layer's deferred work (nothing of this list is taken under it).
     Deferred,
+    /// The list of live arenas, whose fork holds are made with it held (an arena's record
+    /// is only ever tried there, never waited for: see `arena::fork_hold`).
+    Arenas,
     /// The DLPack layer's set of live exports (taken with nothing else held, and nothing
     /// taken under it).
     #[cfg(feature = "dlpack")]
@@ -61,12 +64,13 @@ impl Rank {
         Rank::Allocator,
         Rank::Group,
         Rank::Deferred,
+        Rank::Arenas,
         #[cfg(feature = "dlpack")]
         Rank::Interop,
     ];
 }
 
-/// Most guards: one per layer (seven today).
+/// Most guards: one per layer (eight today).
 const MAX_GUARDS: usize = 32;
 /// The registered guards. `REGISTERED` counts the entries claimed; an entry is set right
 /// after its claim.

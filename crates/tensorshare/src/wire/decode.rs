@@ -113,7 +113,7 @@ fn resolve_arena(
     if seg.file_id() != id {
         return Err(Error::invalid("a received segment changed identity while it was opened"));
     }
-    let arena = Arc::new(Arena::open(seg)?);
+    let arena = crate::arena::listed(Arena::open(seg)?);
     cache::cache().insert_arena(&arena);
     Ok(arena)
 }

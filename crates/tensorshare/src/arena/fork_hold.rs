@@ -1,0 +1,135 @@
+//! Fork holds: what keeps a forked child's inherited slots from being handed out again.
+//!
+//! A child made by `fork` has every handle its parent had, and uses them: a tensor shared
+//! before the fork, a buffer passed to a worker, a received tensor a DataLoader worker
+//! reads. None of this process's own accounting covers the child: the creator counts its
+//! handles in private memory, which the child's copy no longer updates, and a holder's locks
+//! are on a description the child shares, so the holder's unlock when it drops its last
+//! handle releases the child's hold too. Either way the creator would hand the slot out
+//! again while the child still reads it.
+//!
+//! So, before every fork (the `pthread_atfork` prepare handler, through the fork guard of
+//! [`Rank::Arenas`](crate::util::fork::Rank)), this process opens a new description of each
+//! arena of its own it has handles in and locks those slots on it, as any holder does. The
+//! child inherits the description's descriptor and keeps it with the arena (closed when it
+//! drops the arena, or exits); the parent closes its copy right after the fork. The locks
+//! are the kernel's: they last while the child (or a child of its own, which inherits the
+//! descriptor again) has the description open, whatever the parent does, and nobody unlocks
+//! them. A creator looks for other holders' locks on every slot of such an arena before it
+//! reuses one (see `Arena::try_claim`).
+//!
+//! The arena's record is locked across the fork when it can be, so that no handle is taken
+//! in it between the look and the fork. It is only tried, never waited for: a thread may
+//! hold it while it waits for a lock the forking thread took before (see
+//! `util::fork::Rank`). An arena whose record is busy gets every slot locked instead.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
+
+use super::locks::{lock_range, runs};
+use super::{Arena, State};
+use crate::util::lock;
+
+/// The arenas of this process (made here or received), to find those a child inherits.
+#[derive(Default)]
+struct Live {
+    arenas: Vec<Weak<Arena>>,
+    /// Entries at the last sweep of dead ones: the next sweep comes at twice as many.
+    swept_at: usize,
+}
+
+static LIVE: crate::util::Lazy<Mutex<Live>> = crate::util::Lazy::new();
+
+fn live() -> &'static Mutex<Live> {
+    LIVE.get_or_make(Mutex::default)
+}
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Arenas, |out| {
+    let live = lock(live());
+    let arenas: Vec<Arc<Arena>> =
+        live.arenas.iter().filter_map(Weak::upgrade).filter(|a| a.is_own()).collect();
+    out.push(Box::new(live));
+    for arena in arenas {
+        out.push(Box::new(ForkHold::take(arena)));
+    }
+});
+
+/// Shares `arena` and lists it among this process's arenas (for the fork holds).
+pub(crate) fn listed(arena: Arena) -> Arc<Arena> {
+    let arena = Arc::new(arena);
+    let mut live = lock(live());
+    if live.arenas.len() >= 2 * live.swept_at.max(32) {
+        live.arenas.retain(|w| w.strong_count() > 0);
+        live.swept_at = live.arenas.len();
+    }
+    live.arenas.push(Arc::downgrade(&arena));
+    arena
+}
+
+/// One arena's fork hold, made before a fork and settled after it in both processes.
+struct ForkHold {
+    /// The arena's record, when it could be locked: kept locked across the fork. Declared
+    /// before `_arena`, so that it is unlocked before the arena can go.
+    state: Option<MutexGuard<'static, State>>,
+    /// The new description with the slots locked on it.
+    fd: Option<OwnedFd>,
+    /// The process that made it: another one settling it is the child.
+    pid: rustix::process::Pid,
+    /// Kept for `state`, which borrows from it.
+    _arena: Arc<Arena>,
+}
+
+impl ForkHold {
+    fn take(arena: Arc<Arena>) -> ForkHold {
+        let guard = match arena.state.try_lock() {
+            Ok(g) => Some(g),
+            // As `util::lock` does: every structure behind it stays valid at each step.
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        // SAFETY: the guard borrows `arena.state`, inside the allocation of the `Arc` that
+        // this `ForkHold` keeps a clone of in `_arena`: that allocation neither moves nor
+        // goes while the clone lives, and the guard is a field declared before `_arena`, so
+        // it is dropped first, and it never leaves the `ForkHold` (no method hands it out).
+        let state: Option<MutexGuard<'static, State>> = guard
+            .map(|g| unsafe { std::mem::transmute::<MutexGuard<'_, State>, MutexGuard<'static, State>>(g) });
+        let mut slots: Vec<u32> = match &state {
+            Some(st) => (0..arena.nslots).filter(|&s| st.local[s as usize] > 0).collect(),
+            // Busy: whatever its holder is doing, every slot is locked.
+            None => (0..arena.nslots).collect(),
+        };
+        let fd = if slots.is_empty() { None } else { lock_slots(&arena, &mut slots) };
+        if fd.is_some() && arena.creator {
+            // Every slot is asked about before it is reused (see `Arena::try_claim`).
+            arena.forked.store(true, Ordering::Release);
+        }
+        ForkHold { state, fd, pid: rustix::process::getpid(), _arena: arena }
+    }
+}
+
+/// A new description of `arena`'s file with `slots` locked on it; `None` if it cannot be
+/// made (no descriptor left, or no `/proc`): the fork goes on, as a fork that tensorshare
+/// did not see would, and the child's inherited handles are then held by nothing of its own.
+fn lock_slots(arena: &Arena, slots: &mut Vec<u32>) -> Option<OwnedFd> {
+    let fd = arena.seg.reopen().ok()?;
+    for (start, len) in runs(slots) {
+        lock_range(fd.as_fd(), start, len, libc::F_RDLCK).ok()?;
+    }
+    Some(fd)
+}
+
+impl Drop for ForkHold {
+    fn drop(&mut self) {
+        let Some(fd) = self.fd.take() else { return };
+        if rustix::process::getpid() == self.pid {
+            return; // the parent: the child has its own copy of the descriptor
+        }
+        match self.state.as_mut() {
+            // Closed with the arena in this child, once it drops its last handle there.
+            Some(st) => st.inherited.push(fd),
+            // The record was busy: kept open for the child's life.
+            None => std::mem::forget(fd),
+        }
+    }
+}
