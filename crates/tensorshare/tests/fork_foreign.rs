@@ -246,3 +246,38 @@ fn keep_what_was_inherited(_rank: usize, _: ()) {
     );
     drop(others);
 }
+
+/// A forked child sends a view of a tensor it inherited (its arena's record is its
+/// parent's): the parent receives a view of its own memory, as torch's would be.
+#[test]
+fn a_forked_child_sends_back_a_view_of_a_tensor_it_inherited() {
+    common::isolated_with(send_back_what_was_inherited, ());
+}
+
+fn send_back_what_was_inherited(_rank: usize, _: ()) {
+    let mut t = Tensor::full(&[64], 3.0f32);
+    t.share_memory().unwrap();
+    let q = Queue::<Tensor>::new().unwrap();
+    // SAFETY: this helper process has one thread; the child sends what it inherited and
+    // leaves by _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                q.put(t.narrow(0, 8, 4).unwrap()).is_ok()
+            }));
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if matches!(sent, Ok(true)) { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    let back = q.get_timeout(PATIENCE);
+    assert!(ended_by(pid, Instant::now() + PATIENCE), "the child could not send what it inherited");
+    let mut back = back.unwrap();
+    // The same memory (mapped again here: the parent never sent the arena, so its receive
+    // cache did not know it): a write through the view shows in `t`.
+    back.fill(-1.0f32).unwrap();
+    let seen = t.to_vec::<f32>().unwrap();
+    assert_eq!(&seen[8..12], &[-1.0; 4], "the view is not of the parent's own memory");
+    assert!(seen[..8].iter().chain(&seen[12..]).all(|&v| v == 3.0));
+}

@@ -17,11 +17,18 @@ impl Arena {
     /// caller holds a handle of each slot.
     pub(crate) fn send_hold(self: &Arc<Self>, slots: &[u32]) -> Result<(Arc<OwnedFd>, u64)> {
         if !self.is_own() {
-            return Err(Error::Unsupported(
-                "a storage inherited through fork cannot be sent from the child; send it from the \
-                 parent, or copy it"
-                    .into(),
-            ));
+            // Inherited through fork: the record is the parent's (and may be locked for good,
+            // by a thread the child lacks). The caller's handles are held by the fork hold
+            // its parent made for it (see `fork_hold`); a description of its own with the
+            // slots locked on it holds them for the message, whatever the child does next.
+            // One per message, borrowed by no receiver (tag 0).
+            let fd = self.seg.reopen()?;
+            let mut need = slots.to_vec();
+            for (start, len) in runs(&mut need) {
+                lock_range(fd.as_fd(), start, len, libc::F_RDLCK)
+                    .map_err(|e| Error::io("locking inherited slots for a message (F_OFD_SETLK)", e))?;
+            }
+            return Ok((Arc::new(fd), 0));
         }
         let mut st = self.state();
         if let Some(via) = forwarded(&st, slots) {
