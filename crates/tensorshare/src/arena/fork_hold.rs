@@ -15,16 +15,20 @@
 //! drops the arena, or exits); the parent closes its copy right after the fork. The locks
 //! are the kernel's: they last while the child (or a child of its own, which inherits the
 //! descriptor again) has the description open, whatever the parent does, and nobody unlocks
-//! them. A creator looks for other holders' locks on every slot of such an arena before it
-//! reuses one (see `Arena::try_claim`).
+//! them. A creator marks those slots exposed, so that it asks the kernel about other
+//! holders' locks before it reuses one (see `Arena::try_claim`). Many scattered slots are
+//! locked as one span from the first to the last (one lock record, not thousands).
 //!
 //! The arena's record is locked across the fork when it can be, so that no handle is taken
 //! in it between the look and the fork. It is only tried, never waited for: a thread may
 //! hold it while it waits for a lock the forking thread took before (see
-//! `util::fork::Rank`). An arena whose record is busy gets every slot locked instead.
+//! `util::fork::Rank`). An arena whose record is busy gets every slot locked instead, and
+//! its creator asks about every slot at its next claim. The child keeps the descriptor
+//! outside the record, which may stay locked there for good, and closes it when it drops
+//! the arena.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::os::fd::{AsFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 
 use super::locks::{lock_range, runs};
@@ -67,17 +71,50 @@ pub(crate) fn listed(arena: Arena) -> Arc<Arena> {
     arena
 }
 
+/// In a forked child, the descriptor of the fork hold its parent made for it (-1: none),
+/// closed when the arena goes. An atomic rather than a field of the record: the record may
+/// be locked for good in the child, by a thread it lacks.
+pub(super) struct ForkHoldFd(AtomicI32);
+
+impl Default for ForkHoldFd {
+    fn default() -> Self {
+        ForkHoldFd(AtomicI32::new(-1))
+    }
+}
+
+impl ForkHoldFd {
+    fn keep(&self, fd: OwnedFd) {
+        let old = self.0.swap(fd.into_raw_fd(), Ordering::AcqRel);
+        if old >= 0 {
+            // SAFETY: as in `drop`: an fd given up to this cell, owned by it alone.
+            drop(unsafe { OwnedFd::from_raw_fd(old) });
+        }
+    }
+}
+
+impl Drop for ForkHoldFd {
+    fn drop(&mut self) {
+        let fd = *self.0.get_mut();
+        if fd >= 0 {
+            // SAFETY: the cell holds only descriptors given up to it by `keep` (from an
+            // `OwnedFd`), which nothing else owns or closes: each is closed once, here or
+            // when `keep` replaces it.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+    }
+}
+
 /// One arena's fork hold, made before a fork and settled after it in both processes.
 struct ForkHold {
     /// The arena's record, when it could be locked: kept locked across the fork. Declared
-    /// before `_arena`, so that it is unlocked before the arena can go.
+    /// before `arena`, so that it is unlocked before the arena can go.
     state: Option<MutexGuard<'static, State>>,
     /// The new description with the slots locked on it.
     fd: Option<OwnedFd>,
     /// The process that made it: another one settling it is the child.
     pid: rustix::process::Pid,
-    /// Kept for `state`, which borrows from it.
-    _arena: Arc<Arena>,
+    /// Kept for `state`, which borrows from it; taken (never dropped) in the child.
+    arena: Option<Arc<Arena>>,
 }
 
 impl ForkHold {
@@ -89,10 +126,11 @@ impl ForkHold {
             Err(TryLockError::WouldBlock) => None,
         };
         // SAFETY: the guard borrows `arena.state`, inside the allocation of the `Arc` that
-        // this `ForkHold` keeps a clone of in `_arena`: that allocation neither moves nor
-        // goes while the clone lives, and the guard is a field declared before `_arena`, so
-        // it is dropped first, and it never leaves the `ForkHold` (no method hands it out).
-        let state: Option<MutexGuard<'static, State>> = guard
+        // this `ForkHold` keeps a clone of in `arena`: that allocation neither moves nor
+        // goes while the clone lives, and the guard is dropped before the clone (field
+        // order, and `drop` below takes the clone only after it), and never leaves the
+        // `ForkHold` (no method hands it out).
+        let mut state: Option<MutexGuard<'static, State>> = guard
             .map(|g| unsafe { std::mem::transmute::<MutexGuard<'_, State>, MutexGuard<'static, State>>(g) });
         let mut slots: Vec<u32> = match &state {
             Some(st) => (0..arena.nslots).filter(|&s| st.local[s as usize] > 0).collect(),
@@ -101,35 +139,57 @@ impl ForkHold {
         };
         let fd = if slots.is_empty() { None } else { lock_slots(&arena, &mut slots) };
         if fd.is_some() && arena.creator {
-            // Every slot is asked about before it is reused (see `Arena::try_claim`).
-            arena.forked.store(true, Ordering::Release);
+            match state.as_mut() {
+                // Each slot locked for the child is asked about before it is reused.
+                Some(st) => slots.iter().for_each(|&s| st.exposed[s as usize] = true),
+                None => arena.forked.store(true, Ordering::Release),
+            }
         }
-        ForkHold { state, fd, pid: rustix::process::getpid(), _arena: arena }
+        ForkHold { state, fd, pid: rustix::process::getpid(), arena: Some(arena) }
     }
 }
 
-/// A new description of `arena`'s file with `slots` locked on it; `None` if it cannot be
-/// made (no descriptor left, or no `/proc`): the fork goes on, as a fork that tensorshare
-/// did not see would, and the child's inherited handles are then held by nothing of its own.
+/// Runs of slots beyond which a fork hold locks one span from the first slot to the last
+/// instead: one lock call, and one lock record on the file, rather than thousands.
+const MOST_RUNS: usize = 16;
+
+/// A new description of `arena`'s file with `slots` (sorted, distinct) locked on it;
+/// `None` if it cannot be made (no descriptor left, or no `/proc`): the fork goes on, as a
+/// fork that tensorshare did not see would, and the child's inherited handles are then held
+/// by nothing of its own. Runs that cannot be locked one by one are locked as one span.
 fn lock_slots(arena: &Arena, slots: &mut Vec<u32>) -> Option<OwnedFd> {
     let fd = arena.seg.reopen().ok()?;
-    for (start, len) in runs(slots) {
-        lock_range(fd.as_fd(), start, len, libc::F_RDLCK).ok()?;
+    let (first, last) = (*slots.first()?, *slots.last()?);
+    let span = |fd: &OwnedFd| lock_range(fd.as_fd(), first, last - first + 1, libc::F_RDLCK);
+    let runs = runs(slots);
+    let locked = runs.len() <= MOST_RUNS
+        && runs.iter().all(|&(start, len)| lock_range(fd.as_fd(), start, len, libc::F_RDLCK).is_ok());
+    if !locked {
+        // (What was locked stays locked: only closing the description unlocks it.)
+        let _ = span(&fd);
     }
     Some(fd)
 }
 
 impl Drop for ForkHold {
     fn drop(&mut self) {
-        let Some(fd) = self.fd.take() else { return };
+        drop(self.state.take());
+        let arena = self.arena.take().expect("set until dropped");
+        let fd = self.fd.take();
         if rustix::process::getpid() == self.pid {
             return; // the parent: the child has its own copy of the descriptor
         }
-        match self.state.as_mut() {
-            // Closed with the arena in this child, once it drops its last handle there.
-            Some(st) => st.inherited.push(fd),
-            // The record was busy: kept open for the child's life.
-            None => std::mem::forget(fd),
+        if Arc::strong_count(&arena) == 1 {
+            // Nothing in the child uses the arena any more (its last handle went between the
+            // look and the fork): no hold is needed, and the arena is not dropped here,
+            // where its teardown (a CUDA registration's, say) would run before the child
+            // has settled what it inherited.
+            drop(fd);
+            std::mem::forget(arena);
+            return;
+        }
+        if let Some(fd) = fd {
+            arena.fork_hold.keep(fd);
         }
     }
 }

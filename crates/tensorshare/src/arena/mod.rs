@@ -84,9 +84,14 @@ pub(crate) struct Arena {
     nslots: u32,
     creator: bool,
     generation: u64,
-    /// The creator's: a child was forked since its last claim, which may hold any slot
-    /// through its fork hold (see `fork_hold`): the next claim marks every slot exposed.
+    /// The creator's: a child was forked while another thread had the record, and may
+    /// hold any slot through its fork hold (see `fork_hold`): the next claim marks every
+    /// slot exposed.
     forked: AtomicBool,
+    /// In a forked child, the descriptor of the fork hold its parent made for it (see
+    /// `fork_hold`), -1 if none: it holds the slots the child inherited handles of until
+    /// the arena goes. Kept outside the record, which a thread the child lacks may hold.
+    fork_hold: fork_hold::ForkHoldFd,
     state: Mutex<State>,
 }
 
@@ -108,9 +113,6 @@ struct State {
     nborrowed: usize,
     /// The creator's one-slot arena: since when it has had no handle here.
     idle_since: Option<std::time::Instant>,
-    /// In a forked child, the fork holds its parent made for it (see `fork_hold`): they hold
-    /// the slots the child inherited handles of until it drops the arena.
-    inherited: Vec<OwnedFd>,
 }
 
 /// The description messages from this process carry, with the slots locked on it.
@@ -152,6 +154,7 @@ impl Arena {
             creator,
             generation: crate::util::fork::generation(),
             forked: AtomicBool::new(false),
+            fork_hold: fork_hold::ForkHoldFd::default(),
             state: Mutex::new(State {
                 local: vec![0; n],
                 exposed: if creator { vec![false; n] } else { Vec::new() },
@@ -161,7 +164,6 @@ impl Arena {
                 borrowed: Vec::new(),
                 nborrowed: 0,
                 idle_since: None,
-                inherited: Vec::new(),
             }),
         }
     }

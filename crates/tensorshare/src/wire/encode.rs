@@ -250,7 +250,10 @@ pub(crate) fn encode_storage(storage: &Storage) -> Result<u32> {
             Some(Shared::Empty(s)) => StorageDesc::Empty(*s),
             Some(Shared::Slot(slot)) => {
                 let arena = slot.arena();
-                if !storage.inner.cached.load(Ordering::Relaxed) {
+                // (An arena inherited through fork is its parent's: the cache keeps this
+                // process's own mapping of that file, and a kept inherited one would keep
+                // the child's fork hold for good.)
+                if !storage.inner.cached.load(Ordering::Relaxed) && arena.is_own() {
                     // So that the storage is found again if it comes back to this process.
                     let mut cache = cache::cache();
                     cache.insert_storage(arena.segment().file_id(), slot.slot(), &storage.inner);
