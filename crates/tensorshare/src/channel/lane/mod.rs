@@ -181,31 +181,30 @@ impl<'a> Ring<'a> {
         self.ends().tail.load(Ordering::Acquire)
     }
 
-    /// How many messages wait in the lane: positions claimed and not taken yet whose message
-    /// is published or being written. Positions given up (their message went through the
-    /// socket, where it is counted), skipped or ended early are not counted. At most a lap,
-    /// whatever a peer wrote.
-    pub(crate) fn waiting(&self) -> usize {
-        let ends = self.ends();
-        let head = ends.head.load(Ordering::Acquire);
-        let claimed = (ends.tail.load(Ordering::Acquire).wrapping_sub(head) as i64).clamp(0, CELLS as i64);
-        (0..claimed as u64)
-            .map(|i| head.wrapping_add(i))
-            .filter(|&q| matches!(self.cell(q).seq.load(Ordering::Acquire).wrapping_sub(q), 0 | 1))
-            .count()
-    }
-
-    /// Whether a published message waits to be taken: claimed positions whose message is
-    /// still being written are not counted, so a producer that died between its claim and
-    /// its publish leaves no message here that never comes. At most a lap is looked at,
-    /// whatever a peer wrote.
-    pub(crate) fn has_published(&self) -> bool {
+    /// The state of each position claimed and not taken yet, as its cell's sequence word
+    /// less the position (0: being written, 1: published; see the module docs). At most a
+    /// lap, whatever a peer wrote into `tail` and `head`.
+    fn claimed_states(&self) -> impl Iterator<Item = u64> + '_ {
         let ends = self.ends();
         let head = ends.head.load(Ordering::SeqCst);
         let claimed = (ends.tail.load(Ordering::SeqCst).wrapping_sub(head) as i64).clamp(0, CELLS as i64);
         (0..claimed as u64)
-            .map(|i| head.wrapping_add(i))
-            .any(|q| self.cell(q).seq.load(Ordering::Acquire).wrapping_sub(q) == 1)
+            .map(move |i| head.wrapping_add(i))
+            .map(|q| self.cell(q).seq.load(Ordering::Acquire).wrapping_sub(q))
+    }
+
+    /// How many messages wait in the lane: positions claimed and not taken yet whose message
+    /// is published or being written. Positions given up (their message went through the
+    /// socket, where it is counted), skipped or ended early are not counted.
+    pub(crate) fn waiting(&self) -> usize {
+        self.claimed_states().filter(|&d| matches!(d, 0 | 1)).count()
+    }
+
+    /// Whether a published message waits to be taken: claimed positions whose message is
+    /// still being written are not counted, so a producer that died between its claim and
+    /// its publish leaves no message here that never comes.
+    pub(crate) fn has_published(&self) -> bool {
+        self.claimed_states().any(|d| d == 1)
     }
 
     /// Whether nothing is claimed past what consumers have taken.
