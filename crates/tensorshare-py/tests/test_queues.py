@@ -399,6 +399,25 @@ def test_a_sender_may_exit_before_the_receiver_gets(ctx):
     assert float(t.sum()) == 3000.0
 
 
+def _put_large_then_small(q):
+    q.put(b"x" * 100_000)  # larger than a lane cell: the queue's socket
+    q.put(1)
+
+
+def test_a_value_put_after_a_producer_was_joined_comes_after_its_values(ctx):
+    # torch's pattern: join the producers, then put an end marker for the consumer. The
+    # marker, small, went through the lane and was taken before the producer's values still
+    # in the socket, so a consumer stopping at it left them behind.
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_large_then_small, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    q.put(None)
+    got = [q.get(timeout=60) for _ in range(3)]
+    assert got == [b"x" * 100_000, 1, None]
+
+
 def _put_many(q, n, done=None, cancel_join_thread=False):
     # numpy arrays, which travel as handles as tensors do: the behaviour under test is the
     # queue's, and a child cannot skip a test for want of torch (its skip would be a failure)

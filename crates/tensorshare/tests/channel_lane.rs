@@ -95,6 +95,27 @@ fn each_producers_values_keep_their_order_across_lane_and_socket() {
     assert!(matches!(q.try_get(), Err(tensorshare::Error::Disconnected)));
 }
 
+fn put_large_then_small(_rank: usize, q: Queue<Vec<u64>>) {
+    // Larger than a cell: the socket. Then one the lane could take, were the socket empty.
+    q.put(vec![1; 10_000]).unwrap();
+    q.put(vec![2]).unwrap();
+}
+
+/// Values put one after the other by different processes, the second put once the first
+/// producer is gone, arrive in that order, whichever way each went: a process's small value
+/// does not go through the lane past a record another process left in the socket. (The
+/// pattern "join the producers, then put one end marker per consumer": consumers took the
+/// markers from the lane and left values behind in the socket.)
+#[test]
+fn a_value_put_after_a_producer_exited_comes_after_its_values() {
+    let q: Queue<Vec<u64>> = Queue::new().unwrap();
+    let mut ctx = spawn(put_large_then_small, q.clone(), 1).unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    q.put(vec![3]).unwrap();
+    let got: Vec<u64> = (0..3).map(|_| q.get().unwrap()[0]).collect();
+    assert_eq!(got, [1, 2, 3], "values out of the order they were put in");
+}
+
 fn readable(fd: BorrowedFd<'_>) -> bool {
     let mut pfd = [rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN)];
     let limit = rustix::event::Timespec { tv_sec: 30, tv_nsec: 0 };

@@ -2,11 +2,15 @@
 //! parks what holds them, how a consumer waits for the lane and the socket at once, and the
 //! order of a process's messages across the two.
 //!
-//! Order: each process's values arrive in the order it put them, whichever way each went.
-//! A process sends through the lane only when none of its records may still wait in the
-//! socket (it looks, once it has sent any), and through the socket only once every message
-//! it published in the lane has been taken (a record that would overtake one waits in the
-//! outbox, whose feeder waits for that). Consumers look at the lane before the socket.
+//! Order: each process's values arrive in the order it put them, whichever way each went,
+//! and after every value whose record another process wrote into the socket before the put
+//! (a producer that was joined). A process sends through the lane only when no record of
+//! any process may wait in the socket (the control block counts them), and through the
+//! socket only once its own lane messages were taken (a record that would overtake one
+//! waits in the outbox, whose feeder waits for that). Consumers look at the lane first. Not
+//! promised: that another process's lane message published before a socket write comes
+//! first, when a consumer's one look spans both (holding records back until the lane is
+//! drained would make producers wait at exit for others' values to be taken).
 
 use std::collections::HashSet;
 use std::os::fd::{AsFd, OwnedFd};
@@ -87,13 +91,20 @@ impl Core {
     }
 
     /// Whether `msg` may go through the lane now: it has a lane form, nobody waits on the
-    /// socket for values, and no record of this process can still wait in the socket or
-    /// the outbox.
+    /// socket for values, and no record waits in this process's outbox or in the socket.
     pub(super) fn lane_may_take(&self, msg: &Encoded) -> bool {
-        msg.lane.is_some()
-            && !self.control.polled()
-            && !self.outbox.pending()
-            && !self.outbox.in_socket(self.rx.as_fd())
+        msg.lane.is_some() && !self.control.polled() && !self.outbox.pending() && !self.socket_may_hold()
+    }
+
+    /// Whether a record, this process's or another's, may wait in the socket. A zero count
+    /// costs no syscall; any other is checked against the socket (a consumer that died
+    /// between taking a record and counting it leaves the count high). This process's flag
+    /// is asked too: a peer that lowers the count cannot reorder this process's values.
+    fn socket_may_hold(&self) -> bool {
+        let rx = self.rx.as_fd();
+        self.outbox.in_socket(rx)
+            || (self.control.may_have_records()
+                && socket::wait(rx, rustix::event::PollFlags::IN, Duration::ZERO).unwrap_or(true))
     }
 
     /// Publishes `msg` in the lane. False when it cannot go there (the ring is full, the
