@@ -41,20 +41,48 @@ fn use_the_locks() {
 /// Waits until `deadline` for `pid` to end; `false` (and the child killed and reaped) if it
 /// did not, or did not exit with 0.
 fn ended_by(pid: Pid, deadline: Instant) -> bool {
+    how_it_ended(pid, deadline).is_ok()
+}
+
+/// As `ended_by`, saying how a child that did not exit with 0 ended: its exit status or
+/// signal, or, if it hung, where (its kernel wait channel and system call, read before it
+/// is killed), so that a failure seen once under load says which it was.
+fn how_it_ended(pid: Pid, deadline: Instant) -> Result<(), String> {
     let fd = pidfd_open(pid, PidfdFlags::empty()).unwrap();
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
     let left = deadline.saturating_duration_since(Instant::now());
     let timeout = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: left.subsec_nanos() as i64 };
     let ended = poll(&mut fds, Some(&timeout)).unwrap() == 1;
+    let mut hung = String::new();
     if !ended {
+        let read = |what: &str| std::fs::read_to_string(format!("/proc/{}/{what}", pid.as_raw_nonzero()));
+        let threads =
+            std::fs::read_dir(format!("/proc/{}/task", pid.as_raw_nonzero())).map(|d| d.count()).unwrap_or(0);
+        hung = format!(
+            "hung ({threads} threads; main thread in {:?}, system call {:?})",
+            read("wchan").unwrap_or_default(),
+            read("syscall").unwrap_or_default().trim()
+        );
         // SAFETY: kill has no memory-safety preconditions; pid is our unreaped child.
         unsafe { libc::kill(pid.as_raw_nonzero().get(), libc::SIGKILL) };
     }
     let (_, status) = waitpid(Some(pid), WaitOptions::empty()).unwrap().unwrap();
-    ended && status.exit_status() == Some(0)
+    match (ended, status.exit_status(), status.terminating_signal()) {
+        (false, ..) => Err(hung),
+        (true, Some(0), _) => Ok(()),
+        (true, Some(code), _) => Err(format!("exited with {code}")),
+        (true, None, signal) => Err(format!("killed by signal {signal:?}")),
+    }
 }
 
-/// How long a child that uses a few locks is given to end.
+/// In a forked child: says `msg` on stderr without a lock another thread may have held at
+/// the fork (std's stderr has one).
+fn say(msg: &str) {
+    let line = format!("fork_foreign child {}: {msg}\n", std::process::id());
+    // SAFETY: write reads `line.len()` bytes of `line`, which lives across the call.
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+}
+
 const PATIENCE: Duration = Duration::from_secs(20);
 
 #[test]
@@ -84,8 +112,8 @@ fn a_child_of_a_foreign_fork_finds_no_tensorshare_lock_held() {
             0 => child_uses_every_lock(),
             pid => {
                 let pid = Pid::from_raw(pid).unwrap();
-                if !ended_by(pid, Instant::now() + PATIENCE) {
-                    failed = Some(i);
+                if let Err(how) = how_it_ended(pid, Instant::now() + PATIENCE) {
+                    failed = Some((i, how));
                     break;
                 }
             }
@@ -125,7 +153,14 @@ fn a_child_forked_while_the_cleanup_group_is_founded_can_use_it() {
         match unsafe { libc::fork() } {
             -1 => panic!("fork: {}", std::io::Error::last_os_error()),
             0 => {
-                let made = std::panic::catch_unwind(|| named().is_ok()).unwrap_or(false);
+                let made = match std::panic::catch_unwind(named) {
+                    Ok(Ok(())) => true,
+                    Ok(Err(e)) => {
+                        say(&format!("no named arena: {e}"));
+                        false
+                    }
+                    Err(_) => false,
+                };
                 // SAFETY: _exit ends the child at once.
                 unsafe { libc::_exit(if made { 0 } else { 1 }) }
             }
@@ -133,13 +168,17 @@ fn a_child_forked_while_the_cleanup_group_is_founded_can_use_it() {
         }
     }
     let deadline = Instant::now() + PATIENCE;
-    let failed = children.iter().filter(|&&pid| !ended_by(pid, deadline)).count();
+    let failed: Vec<String> = children
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &pid)| how_it_ended(pid, deadline).err().map(|how| format!("child {i}: {how}")))
+        .collect();
     founder.join().unwrap().unwrap();
-    assert_eq!(
-        failed,
-        0,
-        "of {} children forked while the group was founded, {failed} hung or failed",
-        children.len()
+    assert!(
+        failed.is_empty(),
+        "of {} children forked while the group was founded, {} hung or failed: {failed:?}",
+        children.len(),
+        failed.len()
     );
 }
 
