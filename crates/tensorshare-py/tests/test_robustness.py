@@ -538,6 +538,43 @@ def test_fork_children_keep_tensors_their_parent_dropped_and_allocated_over(stra
     del others
 
 
+_INHERITED = []
+
+
+def _drop_what_was_inherited(dropped, done):
+    _INHERITED.clear()
+    gc.collect()
+    dropped.set()
+    done.wait(LONG)
+
+
+def test_a_fork_child_that_drops_what_it_inherited_gives_its_memory_back(strategy):
+    """A fork worker that drops the shared tensors it inherited no longer holds their memory
+    while it lives on: the parent, having dropped them too, hands that memory out again (it
+    used to stay held until the worker's first shared allocation, or its end)."""
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    dropped, done = ctx.Event(), ctx.Event()
+    # 1 MiB each: the size class's first arena has 8 slots, soon come round to again.
+    _INHERITED[:] = [torch.full((1 << 18,), 5.0).share_memory_() for _ in range(2)]
+    at = {t.untyped_storage().data_ptr() for t in _INHERITED}
+    p = ctx.Process(target=_drop_what_was_inherited, args=(dropped, done))
+    p.start()
+    try:
+        assert dropped.wait(LONG)
+        _INHERITED.clear()
+        gc.collect()
+        others = [torch.empty(1 << 18).share_memory_() for _ in range(32)]
+        reused = at & {t.untyped_storage().data_ptr() for t in others}
+    finally:
+        done.set()
+        reap(p)
+    assert p.exitcode == 0
+    assert reused == at, "memory the worker no longer had stayed held for it while it lived"
+
+
 def _fork_a_reader_then_drop(q, dropped, allocated, results):
     import tensorshare.multiprocessing as mp
 

@@ -286,6 +286,49 @@ fn keep_what_was_inherited(_rank: usize, _: ()) {
     drop(others);
 }
 
+/// A forked child that drops every handle it inherited of an arena lets its fork hold go
+/// then, not when it leaves: its parent, having dropped its own handle too, hands the slot
+/// out again while the child lives on. (The child's allocator still lists the arena, as it
+/// does until the child's first allocation: that list is not a handle.)
+#[test]
+fn a_forked_child_that_drops_what_it_inherited_lets_its_parent_reuse_it() {
+    common::isolated_with(drop_what_was_inherited, ());
+}
+
+fn drop_what_was_inherited(_rank: usize, _: ()) {
+    let mut t = Tensor::full(&[1024], 7.0f32);
+    t.share_memory().unwrap();
+    let at = t.storage().data_ptr();
+    let (mut parent_end, mut child_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    // SAFETY: this helper process has one thread; the child drops the tensor it inherited,
+    // says so, waits for its parent's word and leaves by _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            use std::io::{Read, Write};
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                drop(t);
+                child_end.write_all(&[1]).unwrap();
+                let mut word = [0u8; 1];
+                child_end.read_exact(&mut word).unwrap();
+            }));
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if ok.is_ok() { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    let mut word = [0u8; 1];
+    std::io::Read::read_exact(&mut parent_end, &mut word).unwrap();
+    drop(t);
+    // More than an arena of this size class has slots: the allocator comes round to the
+    // slot both let go.
+    let others: Vec<Tensor> = (0..200).map(|_| Tensor::empty_shared(&[1024], DType::F32).unwrap()).collect();
+    let reused = others.iter().any(|x| x.storage().data_ptr() == at);
+    std::io::Write::write_all(&mut parent_end, &[1]).unwrap();
+    assert!(ended_by(pid, Instant::now() + PATIENCE), "the child failed");
+    assert!(reused, "a slot the child no longer had a handle of stayed held for it while it lived");
+}
+
 /// A forked child sends a view of a tensor it inherited (its arena's record is its
 /// parent's): the parent receives a view of its own memory, as torch's would be.
 #[test]

@@ -11,8 +11,10 @@
 //! So, before every fork (the `pthread_atfork` prepare handler, through the fork guard of
 //! [`Rank::Arenas`](crate::util::fork::Rank)), this process opens a new description of each
 //! arena of its own it has handles in and locks those slots on it, as any holder does. The
-//! child inherits the description's descriptor and keeps it with the arena (closed when it
-//! drops the arena, or exits); the parent closes its copy right after the fork. The locks
+//! child inherits the description's descriptor and keeps it with the arena, closed when
+//! its last handle of the arena goes (it counts them from its parent's count at the fork),
+//! when it drops the arena, or when it exits; the parent closes its copy right after the
+//! fork. The locks
 //! are the kernel's: they last while the child (or a child of its own, which inherits the
 //! descriptor again) has the description open, whatever the parent does, and nobody unlocks
 //! them. A creator marks those slots exposed, so that it asks the kernel about other
@@ -28,7 +30,7 @@
 //! the arena.
 
 use std::os::fd::{AsFd, FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 
 use super::locks::{lock_range, runs};
@@ -72,33 +74,74 @@ pub(crate) fn listed(arena: Arena) -> Arc<Arena> {
 }
 
 /// In a forked child, the descriptor of the fork hold its parent made for it (-1: none),
-/// closed when the arena goes. An atomic rather than a field of the record: the record may
-/// be locked for good in the child, by a thread it lacks.
-pub(super) struct ForkHoldFd(AtomicI32);
+/// closed when the child's last handle of the arena goes, or with the arena. An atomic
+/// rather than a field of the record: the record may be locked for good in the child, by
+/// a thread it lacks.
+pub(super) struct ForkHoldFd {
+    fd: AtomicI32,
+    /// The child's handles of the arena: as many as the parent had at the fork (its record
+    /// was locked then, so each is a `Slot` in the child's memory, dropped by the child or
+    /// never), plus those taken since. `UNCOUNTED` when the record was busy at the fork.
+    handles: AtomicUsize,
+}
+
+/// `ForkHoldFd::handles` of a hold made while the arena's record was busy: its count is not
+/// known, so the hold lasts as long as the arena.
+const UNCOUNTED: usize = usize::MAX;
 
 impl Default for ForkHoldFd {
     fn default() -> Self {
-        ForkHoldFd(AtomicI32::new(-1))
+        ForkHoldFd { fd: AtomicI32::new(-1), handles: AtomicUsize::new(UNCOUNTED) }
     }
 }
 
 impl ForkHoldFd {
-    fn keep(&self, fd: OwnedFd) {
-        let old = self.0.swap(fd.into_raw_fd(), Ordering::AcqRel);
+    fn keep(&self, fd: OwnedFd, handles: Option<usize>) {
+        self.handles.store(handles.unwrap_or(UNCOUNTED), Ordering::Release);
+        self.close(Some(fd));
+    }
+
+    /// Puts `fd` in the cell (none: empties it) and closes what was there.
+    fn close(&self, fd: Option<OwnedFd>) {
+        let old = self.fd.swap(fd.map_or(-1, IntoRawFd::into_raw_fd), Ordering::AcqRel);
         if old >= 0 {
-            // SAFETY: as in `drop`: an fd given up to this cell, owned by it alone.
+            // SAFETY: as in `drop`: an fd given up to this cell, owned by it alone, and taken
+            // out of it by the swap above, so closed once.
             drop(unsafe { OwnedFd::from_raw_fd(old) });
+        }
+    }
+
+    /// `n` more handles of the inherited arena in this child. False if its hold was let go
+    /// already (its handles had all gone): the new ones would be held by nothing.
+    pub(super) fn add(&self, n: usize) -> bool {
+        let counted = self.handles.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| match h {
+            UNCOUNTED | 0 => None,
+            h => Some(h.saturating_add(n).min(UNCOUNTED - 1)),
+        });
+        counted != Err(0)
+    }
+
+    /// One handle of the inherited arena less in this child: the last one counted lets the
+    /// fork hold go. (A grandchild forked meanwhile has the description open too, and so
+    /// keeps its own hold.)
+    pub(super) fn remove(&self) {
+        let left = self.handles.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| match h {
+            UNCOUNTED | 0 => None,
+            h => Some(h - 1),
+        });
+        if left == Ok(1) {
+            self.close(None);
         }
     }
 }
 
 impl Drop for ForkHoldFd {
     fn drop(&mut self) {
-        let fd = *self.0.get_mut();
+        let fd = *self.fd.get_mut();
         if fd >= 0 {
             // SAFETY: the cell holds only descriptors given up to it by `keep` (from an
             // `OwnedFd`), which nothing else owns or closes: each is closed once, here or
-            // when `keep` replaces it.
+            // when `close` takes it out.
             drop(unsafe { OwnedFd::from_raw_fd(fd) });
         }
     }
@@ -113,6 +156,8 @@ struct ForkHold {
     fd: Option<OwnedFd>,
     /// The process that made it: another one settling it is the child.
     pid: rustix::process::Pid,
+    /// The handles this process has of the arena, when its record could be locked.
+    handles: Option<usize>,
     /// Kept for `state`, which borrows from it; taken (never dropped) in the child.
     arena: Option<Arc<Arena>>,
 }
@@ -132,6 +177,7 @@ impl ForkHold {
         // `ForkHold` (no method hands it out).
         let mut state: Option<MutexGuard<'static, State>> = guard
             .map(|g| unsafe { std::mem::transmute::<MutexGuard<'_, State>, MutexGuard<'static, State>>(g) });
+        let handles = state.as_ref().map(|st| st.local.iter().map(|&n| n as usize).sum());
         let mut slots: Vec<u32> = match &state {
             Some(st) => (0..arena.nslots).filter(|&s| st.local[s as usize] > 0).collect(),
             // Busy: whatever its holder is doing, every slot is locked.
@@ -145,7 +191,7 @@ impl ForkHold {
                 None => arena.forked.store(true, Ordering::Release),
             }
         }
-        ForkHold { state, fd, pid: rustix::process::getpid(), arena: Some(arena) }
+        ForkHold { state, fd, pid: rustix::process::getpid(), handles, arena: Some(arena) }
     }
 }
 
@@ -189,7 +235,7 @@ impl Drop for ForkHold {
             return;
         }
         if let Some(fd) = fd {
-            arena.fork_hold.keep(fd);
+            arena.fork_hold.keep(fd, self.handles);
         }
     }
 }

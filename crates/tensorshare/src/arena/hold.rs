@@ -21,9 +21,17 @@ impl Arena {
             return Err(Error::invalid(format!("slot {bad} is outside an arena of {} slots", self.nslots)));
         }
         if !self.is_own() {
-            // Inherited through fork: its locks are the parent's, its counts are never read
-            // here (see `release`), and its state may have been locked at the fork by a
-            // thread of the parent that this process lacks.
+            // Inherited through fork: its locks are the parent's, its record's counts are
+            // never read here (see `release`), and its record may have been locked at the
+            // fork by a thread of the parent that this process lacks. The fork hold counts
+            // this process's handles instead.
+            if !slots.is_empty() && !self.fork_hold.add(slots.len()) {
+                return Err(Error::Unsupported(
+                    "an arena inherited through fork whose handles here had all gone, and with them \
+                     its hold: it cannot be held again in this process"
+                        .into(),
+                ));
+            }
             return Ok(false);
         }
         let mut st = self.state();
@@ -82,7 +90,9 @@ impl Arena {
     /// others: see `PENDING_SLOTS`).
     fn release(&self, slot: u32) {
         if !self.is_own() {
-            // Inherited through fork: as in `hold`, nothing here to count or give back.
+            // Inherited through fork: as in `hold`, nothing in the record to count or give
+            // back; the last handle lets the fork hold go.
+            self.fork_hold.remove();
             return;
         }
         let mut st = self.state();

@@ -90,7 +90,8 @@ pub(crate) struct Arena {
     forked: AtomicBool,
     /// In a forked child, the descriptor of the fork hold its parent made for it (see
     /// `fork_hold`), -1 if none: it holds the slots the child inherited handles of until
-    /// the arena goes. Kept outside the record, which a thread the child lacks may hold.
+    /// its last handle goes. Kept outside the record, which a thread the child lacks may
+    /// hold.
     fork_hold: fork_hold::ForkHoldFd,
     state: Mutex<State>,
 }
