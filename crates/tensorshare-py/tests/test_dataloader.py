@@ -97,3 +97,43 @@ def test_a_worker_error_reaches_the_loop():
                 pass
     finally:
         batches._shutdown_workers()  # as torch's own tests do: the worker is joined here
+
+
+class Rows:
+    """A map-style dataset of the rows of one tensor, each sample a view of it."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_torchs_own_workers_send_rows_of_a_dataset_in_a_block_as_views_of_it(method):
+    # No tensorshare context: torch's own queues, through torch's reductions, which
+    # tensorshare teaches to send a storage in a block as a handle. They used to move it
+    # into torch's shared memory in each sending worker: a fork worker sent a copy of its
+    # own, which writes through the received rows never reached.
+    torch = import_torch()
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    from tensorshare import _native
+
+    data = torch.zeros(8, 4).share_memory_()  # patched by tensorshare: into a block
+    assert _native.find_block(data.untyped_storage().data_ptr()) is not None
+    loader = DataLoader(
+        Rows(data),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=multiprocessing.get_context(method),
+    )
+    for i, row in enumerate(loader):
+        row.fill_(float(i + 1))
+    assert data[:, 0].tolist() == [float(i + 1) for i in range(8)], "a received row was a copy"
+    assert _native.find_block(data.untyped_storage().data_ptr()) is not None, "the dataset moved"

@@ -112,7 +112,60 @@ def patch_torch(torch):
     cls.is_shared = is_shared
     if can_move_in_place(torch):
         cls.share_memory_ = share_memory_
+    _teach_torch_queues(torch)
     cls._tensorshare_patched = True
+
+
+def _teach_torch_queues(torch):
+    """Makes torch's own queues and process arguments (``torch.multiprocessing``'s
+    reductions, which a DataLoader given no ``multiprocessing_context`` uses) send a storage
+    in a block as a handle of the block, as tensorshare's queues do. torch's reduction would
+    move it into torch's own shared memory in the sending process (``_share_fd_cpu_``): a
+    fork worker sending a row of a dataset shared before it started then sent a copy of its
+    own, which writes through the received tensor never reached, and each worker made one.
+    Storages in no block keep torch's reduction."""
+    try:
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions)
+    except ImportError:
+        return
+    torch_reduce = ForkingPickler._extra_reducers.get(torch.UntypedStorage)
+    if torch_reduce is None or getattr(torch_reduce, "_tensorshare", False):
+        return
+
+    def reduce_storage(storage):
+        if storage.device.type == "cpu" and storage.nbytes() and _is_ours(storage):
+            return _reduce_block_storage(storage)
+        return torch_reduce(storage)
+
+    reduce_storage._tensorshare = True
+    ForkingPickler.register(torch.UntypedStorage, reduce_storage)
+
+
+def _reduce_block_storage(storage):
+    """A storage in a block as torch's queues carry one: tensorshare's message for it, with
+    its descriptors as multiprocessing passes descriptors (``DupFd``), which hold the
+    message's slots until the receiver has its own hold, as the descriptors in a tensorshare
+    queue's records do. For a process being started, the descriptors themselves are passed
+    (not copies): they stay open as long as its start object."""
+    from multiprocessing import context, reduction
+
+    data, fds, parcel = _native.export(storage)
+    popen = context.get_spawning_popen()
+    if popen is not None:
+        popen.__dict__.setdefault("_tensorshare_parcels", []).append(parcel)
+    # Otherwise each DupFd is a copy of its own, and the parcel's may close.
+    return (_rebuild_block_storage, (data, tuple(reduction.DupFd(fd) for fd in fds)))
+
+
+def _rebuild_block_storage(data, dup_fds):
+    fds = [d.detach() for d in dup_fds]
+    try:
+        return _native.import_(data, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def can_move_in_place(torch):
