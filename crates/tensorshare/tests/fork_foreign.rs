@@ -329,6 +329,57 @@ fn drop_what_was_inherited(_rank: usize, _: ()) {
     assert!(reused, "a slot the child no longer had a handle of stayed held for it while it lived");
 }
 
+/// A forked child puts many views of a tensor it inherited while nobody reads yet: the
+/// messages waiting in its outbox share its fork hold's description, one descriptor for
+/// them all (each used to open a description of its own, so a backlog of thousands ran the
+/// child out of descriptors), and each still arrives whole.
+#[test]
+fn a_forked_childs_backlog_of_inherited_views_keeps_no_descriptor_each() {
+    common::isolated_with(backlog_of_inherited_views, ());
+}
+
+fn backlog_of_inherited_views(_rank: usize, _: ()) {
+    const N: usize = 2000;
+    let open_fds = || std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let t = Tensor::zeros_shared(&[64], DType::F32).unwrap();
+    for i in 0..64 {
+        t.atomic::<f32>().unwrap().store(i, i as f32);
+    }
+    let q = Queue::<Tensor>::new().unwrap();
+    let (mut parent_end, mut child_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    // SAFETY: this helper process has one thread; the child puts views of what it
+    // inherited, says how many descriptors that left open, writes its outbox out and
+    // leaves by _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            use std::io::Write;
+            let put = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tensorshare::adopt_forked_queues(); // puts never wait: a backlog builds up
+                let before = open_fds();
+                for i in 0..N {
+                    q.put(t.narrow(0, i % 64, 1).unwrap()).unwrap();
+                }
+                let grown = open_fds().saturating_sub(before) as u64;
+                child_end.write_all(&grown.to_le_bytes()).unwrap();
+                tensorshare::flush_queues();
+            }));
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if put.is_ok() { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    let mut word = [0u8; 8];
+    let told = std::io::Read::read_exact(&mut parent_end, &mut word);
+    let got: Vec<f32> =
+        (0..N).map_while(|_| q.get_timeout(PATIENCE).ok()).map(|v| v.to_vec::<f32>().unwrap()[0]).collect();
+    assert!(ended_by(pid, Instant::now() + PATIENCE), "the child failed");
+    told.unwrap();
+    let grown = u64::from_le_bytes(word);
+    assert!(grown < 16, "{N} messages waiting in the child's outbox kept {grown} descriptors open");
+    assert_eq!(got, (0..N).map(|i| (i % 64) as f32).collect::<Vec<_>>());
+}
+
 /// A forked child sends a view of a tensor it inherited (its arena's record is its
 /// parent's): the parent receives a view of its own memory, as torch's would be.
 #[test]

@@ -29,8 +29,8 @@
 //! outside the record, which may stay locked there for good, and closes it when it drops
 //! the arena.
 
-use std::os::fd::{AsFd, FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 
 use super::locks::{lock_range, runs};
@@ -73,12 +73,16 @@ pub(crate) fn listed(arena: Arena) -> Arc<Arena> {
     arena
 }
 
-/// In a forked child, the descriptor of the fork hold its parent made for it (-1: none),
-/// closed when the child's last handle of the arena goes, or with the arena. An atomic
-/// rather than a field of the record: the record may be locked for good in the child, by
-/// a thread it lacks.
+/// In a forked child, the fork hold its parent made for it: closed when the child's last
+/// handle of the arena goes, or with the arena. Kept outside the record, which may be locked
+/// for good in the child, by a thread it lacks. The messages the child sends from the arena
+/// carry the hold's description too (see `Arena::send_hold`), and keep it open while they
+/// are on their way.
 pub(super) struct ForkHoldFd {
-    fd: AtomicI32,
+    /// The description; its lock is held only to clone or take it (and is only tried: a
+    /// grandchild forked while a thread of the child held it finds it held for good, and
+    /// then keeps its hold until it exits, and sends as if it had none).
+    hold: Mutex<Option<Arc<OwnedFd>>>,
     /// The child's handles of the arena: as many as the parent had at the fork (its record
     /// was locked then, so each is a `Slot` in the child's memory, dropped by the child or
     /// never), plus those taken since. `UNCOUNTED` when the record was busy at the fork.
@@ -91,24 +95,37 @@ const UNCOUNTED: usize = usize::MAX;
 
 impl Default for ForkHoldFd {
     fn default() -> Self {
-        ForkHoldFd { fd: AtomicI32::new(-1), handles: AtomicUsize::new(UNCOUNTED) }
+        ForkHoldFd { hold: Mutex::new(None), handles: AtomicUsize::new(UNCOUNTED) }
     }
 }
 
 impl ForkHoldFd {
-    fn keep(&self, fd: OwnedFd, handles: Option<usize>) {
-        self.handles.store(handles.unwrap_or(UNCOUNTED), Ordering::Release);
-        self.close(Some(fd));
+    /// The hold's cell, unless another thread has it (or had it when this process was
+    /// forked).
+    fn try_cell(&self) -> Option<MutexGuard<'_, Option<Arc<OwnedFd>>>> {
+        match self.hold.try_lock() {
+            Ok(g) => Some(g),
+            // Nothing panics while it is held; were it poisoned, the value is whole.
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
-    /// Puts `fd` in the cell (none: empties it) and closes what was there.
-    fn close(&self, fd: Option<OwnedFd>) {
-        let old = self.fd.swap(fd.map_or(-1, IntoRawFd::into_raw_fd), Ordering::AcqRel);
-        if old >= 0 {
-            // SAFETY: as in `drop`: an fd given up to this cell, owned by it alone, and taken
-            // out of it by the swap above, so closed once.
-            drop(unsafe { OwnedFd::from_raw_fd(old) });
+    /// In the child's fork handler: keeps `fd`, with the count of the handles it holds.
+    fn keep(&self, fd: OwnedFd, handles: Option<usize>) {
+        self.handles.store(handles.unwrap_or(UNCOUNTED), Ordering::Release);
+        match self.try_cell() {
+            Some(mut cell) => *cell = Some(Arc::new(fd)),
+            // The cell of an arena of the parent's own, which it never uses, cannot be held;
+            // were it, the hold is kept for the child's life rather than let go.
+            None => std::mem::forget(fd),
         }
+    }
+
+    /// The hold's description, for a message from the child naming slots it has handles
+    /// of (every one of them is locked on it). None if there is none, or its cell is busy.
+    pub(super) fn for_message(&self) -> Option<Arc<OwnedFd>> {
+        self.try_cell()?.clone()
     }
 
     /// `n` more handles of the inherited arena in this child. False if its hold was let go
@@ -122,27 +139,17 @@ impl ForkHoldFd {
     }
 
     /// One handle of the inherited arena less in this child: the last one counted lets the
-    /// fork hold go. (A grandchild forked meanwhile has the description open too, and so
-    /// keeps its own hold.)
+    /// fork hold go (messages on their way keep its description open until they are
+    /// taken; a grandchild forked meanwhile has it open too, and keeps its own hold).
     pub(super) fn remove(&self) {
         let left = self.handles.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| match h {
             UNCOUNTED | 0 => None,
             h => Some(h - 1),
         });
         if left == Ok(1) {
-            self.close(None);
-        }
-    }
-}
-
-impl Drop for ForkHoldFd {
-    fn drop(&mut self) {
-        let fd = *self.fd.get_mut();
-        if fd >= 0 {
-            // SAFETY: the cell holds only descriptors given up to it by `keep` (from an
-            // `OwnedFd`), which nothing else owns or closes: each is closed once, here or
-            // when `close` takes it out.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            // Busy for good (see `hold`): kept until the arena goes.
+            let taken = self.try_cell().and_then(|mut cell| cell.take());
+            drop(taken);
         }
     }
 }
@@ -200,21 +207,19 @@ impl ForkHold {
 const MOST_RUNS: usize = 16;
 
 /// A new description of `arena`'s file with `slots` (sorted, distinct) locked on it;
-/// `None` if it cannot be made (no descriptor left, or no `/proc`): the fork goes on, as a
-/// fork that tensorshare did not see would, and the child's inherited handles are then held
-/// by nothing of its own. Runs that cannot be locked one by one are locked as one span.
+/// `None` if it cannot be made (no descriptor left, no `/proc`, or no lock taken): the fork
+/// goes on, as a fork that tensorshare did not see would, and the child's inherited handles
+/// are then held by nothing of its own. Runs that cannot be locked one by one are locked as
+/// one span. A description returned has every slot locked on it: the child's messages rely
+/// on that (see `ForkHoldFd::for_message`).
 fn lock_slots(arena: &Arena, slots: &mut Vec<u32>) -> Option<OwnedFd> {
     let fd = arena.seg.reopen().ok()?;
     let (first, last) = (*slots.first()?, *slots.last()?);
-    let span = |fd: &OwnedFd| lock_range(fd.as_fd(), first, last - first + 1, libc::F_RDLCK);
     let runs = runs(slots);
     let locked = runs.len() <= MOST_RUNS
         && runs.iter().all(|&(start, len)| lock_range(fd.as_fd(), start, len, libc::F_RDLCK).is_ok());
-    if !locked {
-        // (What was locked stays locked: only closing the description unlocks it.)
-        let _ = span(&fd);
-    }
-    Some(fd)
+    // (What was locked stays locked until the description is closed.)
+    (locked || lock_range(fd.as_fd(), first, last - first + 1, libc::F_RDLCK).is_ok()).then_some(fd)
 }
 
 impl Drop for ForkHold {

@@ -19,9 +19,16 @@ impl Arena {
         if !self.is_own() {
             // Inherited through fork: the record is the parent's (and may be locked for good,
             // by a thread the child lacks). The caller's handles are held by the fork hold
-            // its parent made for it (see `fork_hold`); a description of its own with the
-            // slots locked on it holds them for the message, whatever the child does next.
-            // One per message, borrowed by no receiver (tag 0).
+            // its parent made for it (see `fork_hold`), whose description has every slot
+            // the child has a handle of locked on it: the message carries it, and holds its
+            // slots through it whatever the child does next; every message from the arena
+            // shares it, so a backlog of them keeps one descriptor open, not one each.
+            // Borrowed by no receiver (tag 0).
+            if let Some(fd) = self.fork_hold.for_message() {
+                return Ok((fd, 0));
+            }
+            // No fork hold (it could not be made, or its cell is busy): a description of
+            // the message's own.
             let fd = self.seg.reopen()?;
             let mut need = slots.to_vec();
             for (start, len) in runs(&mut need) {
