@@ -109,6 +109,16 @@ def test_arrays_alias_across_the_wire(dtype):
     assert c.__array_interface__["data"][0] == view.__array_interface__["data"][0]
 
 
+def test_a_fortran_order_array_arrives_in_fortran_order_as_pickle_keeps_it():
+    a = np.asfortranarray(np.arange(24.0).reshape(2, 3, 4))
+    b = tensorshare.roundtrip(a)
+    np.testing.assert_array_equal(a, b)
+    assert b.flags.f_contiguous and b.strides == a.strides
+    # Any other layout arrives C-contiguous, as pickle makes it.
+    c = tensorshare.roundtrip(np.arange(24.0).reshape(4, 6)[:, ::2])
+    assert c.flags.c_contiguous
+
+
 def test_empty_and_zero_dimensional_arrays():
     for a in [np.zeros((0, 3), "float32"), np.array(5, "int64"), np.ones((2, 0, 2))]:
         b = tensorshare.roundtrip(a)

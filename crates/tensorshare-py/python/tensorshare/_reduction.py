@@ -291,7 +291,8 @@ def install_torch_hook():
 
 def _block_of_array(a):
     """The block ``a`` views, with ``a``'s offset and strides in elements; or a new block
-    holding a copy of ``a`` (C order)."""
+    holding a copy of ``a``: in Fortran order when ``a`` is (as pickle keeps it), else in C
+    order."""
     np = _numpy()
     base = a
     while base is not None and not isinstance(base, _native.Block):
@@ -302,14 +303,15 @@ def _block_of_array(a):
         if start >= 0 and start % item == 0 and all(s >= 0 and s % item == 0 for s in a.strides):
             return base, start // item, tuple(s // item for s in a.strides)
     block = new_block(a.nbytes)
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     if a.nbytes:
-        np.ndarray(a.shape, a.dtype, buffer=block)[...] = a
+        np.ndarray(a.shape, a.dtype, buffer=block, order=order)[...] = a
     strides = []
     step = 1
-    for n in reversed(a.shape):
+    for n in reversed(a.shape) if order == "C" else a.shape:
         strides.append(step)
         step *= n
-    return block, 0, tuple(reversed(strides))
+    return block, 0, tuple(reversed(strides)) if order == "C" else tuple(strides)
 
 
 def array_parts(obj):
