@@ -647,3 +647,27 @@ def test_a_fork_child_sends_a_view_of_a_tensor_it_inherited_shared():
     assert view.tolist() == [2.0, 3.0, 4.0, 5.0]
     view.fill_(-1.0)
     assert t.tolist() == [0.0, 1.0, -1.0, -1.0, -1.0, -1.0, 6.0, 7.0], "the view is no view of t"
+
+
+def test_inherited_reads_a_handed_value_and_names_a_descriptor_that_is_not_open(monkeypatch):
+    import numpy as np
+
+    import tensorshare
+    from tensorshare import _native
+
+    value = {"a": np.arange(4.0), "s": "x"}
+    data, fds, parcel = _native.export(value)
+    mine = [os.dup(fd) for fd in fds]  # what a child started by popen inherits
+    del parcel
+    monkeypatch.setenv("TS_TEST_HANDOFF", data.hex() + ":" + ",".join(map(str, mine)))
+    got = tensorshare.inherited("TS_TEST_HANDOFF")
+    assert got["s"] == "x"
+    np.testing.assert_array_equal(got["a"], value["a"])
+    for fd in mine:  # inherited closed them
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    # A descriptor that is not open: the error names it (it used to be a bare EBADF from
+    # closing it afterwards).
+    monkeypatch.setenv("TS_TEST_HANDOFF", data.hex() + ":" + str(mine[0]))
+    with pytest.raises(OSError, match="of a value sent to this process"):
+        tensorshare.inherited("TS_TEST_HANDOFF")

@@ -142,6 +142,7 @@ def popen(args, value, var=HANDOFF_VAR, **kwargs):
 def inherited(var=HANDOFF_VAR):
     """The value a parent handed to this process with ``popen`` (or Rust's
     ``Message::pass_to``), read once from the environment variable ``var``."""
+    import contextlib
     import os
 
     text = os.environ.pop(var)
@@ -151,4 +152,7 @@ def inherited(var=HANDOFF_VAR):
         return _native.import_(bytes.fromhex(data), fds)
     finally:
         for fd in fds:
-            os.close(fd)
+            # One that is not open was reported by import_ already (it is not closed here
+            # twice: import_ closes none).
+            with contextlib.suppress(OSError):
+                os.close(fd)
