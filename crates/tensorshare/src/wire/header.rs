@@ -98,7 +98,10 @@ pub(super) fn parse_into(message: &[u8], into: &mut Header) -> Result<usize> {
     };
     let n = u32::from_le_bytes(*len) as usize;
     let end = 4usize.checked_add(n).filter(|&e| e <= message.len()).ok_or_else(|| {
-        Error::invalid(format!("the header claims {n} bytes, the message has {}", message.len()))
+        Error::invalid(format!(
+            "the header claims {n} bytes after its 4-byte length, more than the {} left in the message",
+            message.len() - 4
+        ))
     })?;
     let mut de = postcard::Deserializer::from_bytes(&message[4..end]);
     HeaderInto(into).deserialize(&mut de).map_err(|e| Error::invalid(format!("the message header: {e}")))?;
@@ -266,6 +269,11 @@ mod tests {
         }
         let mut long = framed(&bytes);
         long[..4].copy_from_slice(&(bytes.len() as u32 + 1).to_le_bytes());
-        assert!(parse_into(&long, &mut Header::default()).is_err(), "a length past the message");
+        let err = parse_into(&long, &mut Header::default()).unwrap_err().to_string();
+        let (claimed, left) = (bytes.len() + 1, long.len() - 4);
+        assert!(
+            err.contains(&format!("claims {claimed} bytes after its 4-byte length, more than the {left}")),
+            "{err}"
+        );
     }
 }
