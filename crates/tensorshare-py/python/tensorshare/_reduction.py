@@ -156,10 +156,11 @@ def _reduce_block_storage(storage):
     if popen is not None:
         popen.__dict__.setdefault("_tensorshare_parcels", []).append(parcel)
     # Otherwise each DupFd is a copy of its own, and the parcel's may close.
-    return (_rebuild_block_storage, (data, tuple(reduction.DupFd(fd) for fd in fds)))
+    return (import_dup_fds, (data, tuple(reduction.DupFd(fd) for fd in fds)))
 
 
-def _rebuild_block_storage(data, dup_fds):
+def import_dup_fds(data, dup_fds):
+    """A tensorshare message whose descriptors came as multiprocessing's ``DupFd``s."""
     fds = [d.detach() for d in dup_fds]
     try:
         return _native.import_(data, fds)

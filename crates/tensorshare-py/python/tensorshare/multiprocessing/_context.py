@@ -33,15 +33,6 @@ def _export_for_child(obj):
     return data, [popen.DupFd(popen.duplicate_for_child(fd)) for fd in fds]
 
 
-def _import_from_parent(data, dupfds):
-    fds = [d.detach() for d in dupfds]
-    try:
-        return _native.import_(data, fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 class _ByValue:
     """A value that travels to a child being started as a tensorshare message: lambdas and
     closures by value (cloudpickle), tensors and queues as handles."""
@@ -56,7 +47,7 @@ class _ByValue:
 
 
 def _rebuild_by_value(data, dupfds):
-    return _ByValue(_import_from_parent(data, dupfds))
+    return _ByValue(_reduction.import_dup_fds(data, dupfds))
 
 
 def _allocate_batches_in_arenas():
@@ -191,7 +182,7 @@ def reduce_native(q):
 
 
 def _rebuild_native(data, dupfds):
-    return _import_from_parent(data, dupfds)
+    return _reduction.import_dup_fds(data, dupfds)
 
 
 class TensorshareContext(multiprocessing.context.BaseContext):
