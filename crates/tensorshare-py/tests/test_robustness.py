@@ -671,3 +671,47 @@ def test_inherited_reads_a_handed_value_and_names_a_descriptor_that_is_not_open(
     monkeypatch.setenv("TS_TEST_HANDOFF", data.hex() + ":" + str(mine[0]))
     with pytest.raises(OSError, match="of a value sent to this process"):
         tensorshare.inherited("TS_TEST_HANDOFF")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_child_of_os_fork_sends_through_torchs_queue_what_it_made_not_its_parents(strategy):
+    # multiprocessing's descriptor sharer (torch's queues pass descriptors through it) is
+    # reset only in processes multiprocessing starts: a child of os.fork handed out the
+    # descriptors its parent registered, and the receiver read another tensor's memory.
+    import_torch()
+    out = run_python(
+        f"""
+        import os
+        import torch
+        import tensorshare
+        import torch.multiprocessing as tmp
+
+        tmp.set_sharing_strategy("{strategy}")
+        ctx = tmp.get_context("fork")
+        q, sq = ctx.SimpleQueue(), ctx.SimpleQueue()
+        a = torch.full((10,), 1.0).share_memory_()
+        q.put(a)
+        q.get()  # the parent's sharer runs now, and has handed out one descriptor
+        r, w = os.pipe()
+        r2, w2 = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.read(r, 1)
+                sq.put(torch.full((10,), 3.0).share_memory_())
+                os.read(r2, 1)  # stays until the parent has it
+            finally:
+                os._exit(0)
+        d = torch.full((10,), 7.0).share_memory_()
+        q.put(d)  # the parent registers its next descriptor
+        os.write(w, b"g")
+        c = sq.get()
+        os.write(w2, b"g")
+        c.fill_(-5.0)
+        print("got", c.tolist()[0], "a", a.tolist()[0], "d", d.tolist()[0], "own", q.get().tolist()[0])
+        os.waitpid(pid, 0)
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "got -5.0 a 1.0 d 7.0 own 7.0" in out.stdout, out.stdout + out.stderr

@@ -141,6 +141,7 @@ def _teach_torch_queues(torch):
 
     reduce_storage._tensorshare = True
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
+    os.register_at_fork(after_in_child=_reset_fd_sharer)
 
 
 def _reduce_block_storage(storage):
@@ -152,21 +153,46 @@ def _reduce_block_storage(storage):
     from multiprocessing import context, reduction
 
     data, fds, parcel = _native.export(storage)
+    # Each descriptor's file, checked by the receiver: a DupFd is fetched apart from the
+    # message, and a child made by os.fork serves its parent's (see `_reset_fd_sharer`).
+    files = tuple(_file_of(fd) for fd in fds)
     popen = context.get_spawning_popen()
     if popen is not None:
         popen.__dict__.setdefault("_tensorshare_parcels", []).append(parcel)
     # Otherwise each DupFd is a copy of its own, and the parcel's may close.
-    return (import_dup_fds, (data, tuple(reduction.DupFd(fd) for fd in fds)))
+    return (import_dup_fds, (data, tuple(reduction.DupFd(fd) for fd in fds), files))
 
 
-def import_dup_fds(data, dup_fds):
-    """A tensorshare message whose descriptors came as multiprocessing's ``DupFd``s."""
+def _file_of(fd):
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def import_dup_fds(data, dup_fds, files=None):
+    """A tensorshare message whose descriptors came as multiprocessing's ``DupFd``s; with
+    ``files``, each must be of the file its sender named (else the value is refused rather
+    than read from another file)."""
     fds = [d.detach() for d in dup_fds]
     try:
+        if files is not None and [_file_of(fd) for fd in fds] != [tuple(f) for f in files]:
+            raise _native.InvalidMessage(
+                "a descriptor of a tensor sent through a multiprocessing queue is not of the file "
+                "its sender named (a child made by os.fork sharing descriptors its parent "
+                "registered?): refused"
+            )
         return _native.import_(data, fds)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _reset_fd_sharer():
+    """In a child made by os.fork: multiprocessing's descriptor sharer (``DupFd`` outside a
+    process start) is reset as in the processes multiprocessing starts; else the child would
+    hand out descriptors its parent registered, under its parent's address."""
+    rs = sys.modules.get("multiprocessing.resource_sharer")
+    if rs is not None:
+        rs._resource_sharer._afterfork()
 
 
 def can_move_in_place(torch):
