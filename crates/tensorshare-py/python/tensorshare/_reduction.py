@@ -142,6 +142,7 @@ def _teach_torch_queues(torch):
     reduce_storage._tensorshare = True
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
     os.register_at_fork(after_in_child=_reset_fd_sharer)
+    release_parcels_at_launch()
 
 
 def _reduce_block_storage(storage):
@@ -158,9 +159,41 @@ def _reduce_block_storage(storage):
     files = tuple(_file_of(fd) for fd in fds)
     popen = context.get_spawning_popen()
     if popen is not None:
-        popen.__dict__.setdefault("_tensorshare_parcels", []).append(parcel)
+        keep_for_launch(popen, parcel)
     # Otherwise each DupFd is a copy of its own, and the parcel's may close.
     return (import_dup_fds, (data, tuple(reduction.DupFd(fd) for fd in fds), files))
+
+
+def keep_for_launch(popen, parcel):
+    """Keeps ``parcel`` (descriptors the arguments of the process ``popen`` is starting
+    name) open until that process is started (see ``release_parcels_at_launch``)."""
+    popen.__dict__.setdefault("_tensorshare_parcels", []).append(parcel)
+
+
+def release_parcels_at_launch():
+    """Makes the spawn and fork server ``Popen`` of multiprocessing close the descriptors
+    kept for a child's arguments (``keep_for_launch``) as soon as the child is started,
+    whichever context started it: spawn has passed them as it ran the child, and a fork
+    server has them in flight in its socket, so the child holds what they hold with its own.
+    Kept until the ``Popen`` went, they stayed open in the parent as long as the ``Process``
+    object, one per storage and process (and a pipe end the parent closed stayed open, so
+    its reader waited for good after the child had gone instead of seeing the end)."""
+    import multiprocessing.popen_forkserver
+    import multiprocessing.popen_spawn_posix
+
+    for cls in (multiprocessing.popen_spawn_posix.Popen, multiprocessing.popen_forkserver.Popen):
+        launch = cls.__dict__.get("_launch")
+        if launch is None or getattr(launch, "_tensorshare", False):
+            continue
+
+        def _launch(self, process_obj, _launch=launch):
+            try:
+                return _launch(self, process_obj)
+            finally:
+                self.__dict__.pop("_tensorshare_parcels", None)
+
+        _launch._tensorshare = True
+        cls._launch = _launch
 
 
 def _file_of(fd):

@@ -13,13 +13,16 @@ from . import _queues
 
 _lock = threading.Lock()
 _contexts = {}
+# The descriptors of a child's arguments close once it is started (see _export_for_child).
+_reduction.release_parcels_at_launch()
 # Names the cleanup group a process joins (tensorshare's `shm::group`).
 _SHM_GROUP_ENV = "TENSORSHARE_SHM_GROUP"
 
 
 def _export_for_child(obj):
     """``obj`` as bytes and descriptors for the process being started (spawn or
-    forkserver); the descriptors stay open until it is started (``ByValueMixin.start``)."""
+    forkserver); the descriptors stay open until it is started
+    (``_reduction.release_parcels_at_launch``)."""
     popen = multiprocessing.context.get_spawning_popen()
     if popen is None:
         raise RuntimeError(
@@ -28,8 +31,7 @@ def _export_for_child(obj):
             "otherwise"
         )
     data, fds, parcel = _native.export(obj)
-    parcels = popen.__dict__.setdefault("_tensorshare_parcels", [])
-    parcels.append(parcel)
+    _reduction.keep_for_launch(popen, parcel)
     return data, [popen.DupFd(popen.duplicate_for_child(fd)) for fd in fds]
 
 
@@ -111,19 +113,6 @@ class ByValueMixin:
         self._target, self._args, self._kwargs = payload
 
     def start(self):
-        try:
-            self._start_in_group()
-        finally:
-            # The child has its copies of the descriptors its arguments hold once it is
-            # started (spawn passes them as it runs the child, a fork server has them in
-            # flight in its socket): ours go now, not with the Popen object, or a pipe end
-            # the parent closed would stay open here, and the parent's recv would wait for
-            # good after the child has gone instead of raising EOFError.
-            popen = getattr(self, "_popen", None)
-            if popen is not None:
-                popen.__dict__.pop("_tensorshare_parcels", None)
-
-    def _start_in_group(self):
         # The group is in the environment the child starts with (and a fork server started
         # now), for as long as it takes to start it: a child whose main module makes a named
         # segment on import, before it reads its state, joins it too. Not left there, or
