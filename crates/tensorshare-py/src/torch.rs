@@ -441,9 +441,7 @@ fn usizes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 /// to be moved into one ([`moves_into_block`]; a tensor elsewhere is an error at the top of
 /// a value, and left to torch's pickling inside an object).
 pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    if handle_kind(py, api, obj)?.is_none() {
-        return Ok(false);
-    }
+    let Some((dtype, _)) = handle_kind(py, api, obj)? else { return Ok(false) };
     if api.t.is_meta.get(obj)?.extract::<bool>()? {
         return Ok(true);
     }
@@ -451,10 +449,21 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         return Ok(false);
     }
     let storage = api.t.untyped_storage.call0(obj)?;
-    Ok(match block_of(py, api, &storage)? {
-        (Some(_), _) => true,
-        (None, nbytes) => moves_into_block(api, &storage, nbytes)?,
-    })
+    let (found, nbytes) = block_of(py, api, &storage)?;
+    let shape = usizes(&api.t.shape.get(obj)?)?;
+    let offset: usize = api.t.storage_offset.call0(obj)?.extract()?;
+    if empty_past_end(&shape, offset, dtype, nbytes) {
+        return Ok(false);
+    }
+    Ok(found.is_some() || moves_into_block(api, &storage, nbytes)?)
+}
+
+/// Whether a tensor of `shape` with no elements starts past the end of its storage of
+/// `nbytes`: torch lets such a tensor have any offset (`set_`, slicing past the end), a
+/// handle cannot say it (the receiver's view must lie in its block), so it is pickled by
+/// torch's reduction, which keeps the offset over the same storage (still a handle).
+fn empty_past_end(shape: &[usize], offset: usize, dtype: DType, nbytes: usize) -> bool {
+    shape.contains(&0) && offset.checked_mul(dtype.size()).is_none_or(|start| start > nbytes)
 }
 
 /// Whether CPU `storage` (of `nbytes`), in no block, is moved into one to be sent. Not
@@ -534,12 +543,16 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let strides = usizes(&a.stride.call0(obj)?)?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
         let storage = a.untyped_storage.call0(obj)?;
-        let block = match block_of(py, api, &storage)? {
-            (Some(b), _) => b,
-            (None, nbytes) if moves_into_block(api, &storage, nbytes)? => {
+        let (found, nbytes) = block_of(py, api, &storage)?;
+        if empty_past_end(&shape, offset, dtype, nbytes) {
+            return Ok(None);
+        }
+        let block = match found {
+            Some(b) => b,
+            None if moves_into_block(api, &storage, nbytes)? => {
                 move_storage(py, api, &storage, nbytes, true)?
             }
-            (None, _) => return Ok(None),
+            None => return Ok(None),
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };

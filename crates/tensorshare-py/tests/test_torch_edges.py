@@ -223,6 +223,43 @@ def test_a_negative_view_arrives_in_another_process_with_its_values_and_shared()
     assert p.exitcode == 0
 
 
+def _report_empty_views(q, back):
+    got = q.get(timeout=LONG)
+    for name in ("alone", "in_object"):
+        t = got[name] if name == "alone" else got[name].view
+        shared = t.untyped_storage().data_ptr() == got["s"].data_ptr()
+        back.put((name, t.shape[0], t.storage_offset(), shared))
+    got["s"].fill_(7.0)  # the sender's storage, shared
+    back.put("written")
+
+
+class HoldsAView:
+    def __init__(self, view):
+        self.view = view
+
+
+def test_a_view_with_no_elements_past_the_end_of_its_storage_arrives_with_its_offset(ctx):
+    # torch lets a tensor with no elements have any offset (set_, slicing past the end);
+    # such a view was refused by put ("needs 40 bytes, its storage has 16"), while torch's
+    # queues send it. It travels as torch pickles it, over the same storage.
+    torch = import_torch()
+
+    s = torch.arange(4.0).share_memory_()
+    past = torch.empty(0).set_(s.untyped_storage(), 10, (0,), (1,))
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_report_empty_views, args=(q, back))
+    p.start()
+    try:
+        q.put({"alone": past, "in_object": HoldsAView(past), "s": s})
+        assert back.get(timeout=LONG) == ("alone", 0, 10, True)
+        assert back.get(timeout=LONG) == ("in_object", 0, 10, True)
+        assert back.get(timeout=LONG) == "written"
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    assert s.tolist() == [7.0] * 4
+
+
 def _new_dtypes(torch):
     """The dtypes torch pickles through ``_rebuild_tensor_v3`` (none of them on the wire)."""
     return sorted(torch.storage._new_dtypes(), key=str)
