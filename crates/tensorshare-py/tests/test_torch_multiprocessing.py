@@ -708,3 +708,46 @@ def test_nothing_left_after_a_killed_process(leak_scenario):
     removes what it made."""
     left, _ = leak_scenario
     assert left["killed"] == []
+
+
+def test_set_thread_name_names_the_calling_thread():
+    # torch's test_set_thread_name (mp._set_thread_name was missing), with torch's
+    # truncation to 15 bytes, in a thread of its own so the test process keeps its name.
+    import threading
+
+    import torch.multiprocessing as tmp
+
+    got = {}
+
+    def run():
+        mp._set_thread_name("test name")
+        got["short"] = mp._get_thread_name()
+        mp._set_thread_name("a name longer than fifteen bytes")
+        got["long"] = mp._get_thread_name()
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            got["kernel"] = f.read().strip()
+        got["torch"] = tmp._get_thread_name()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert got == {
+        "short": "test name",
+        "long": "a name longer t",
+        "kernel": "a name longer t",
+        "torch": "a name longer t",
+    }
+
+
+def test_the_names_torch_multiprocessing_adds_to_multiprocessing_are_there():
+    # Every public name of torch.multiprocessing, and the torch helpers its own tests use
+    # (mp.reductions.rebuild_cuda_tensor), which are torch's own objects.
+    import torch.multiprocessing as tmp
+
+    assert set(tmp.__all__) <= set(mp.__all__)
+    for name in tmp.__all__:
+        assert hasattr(mp, name), name
+    for name in ("reductions", "init_reductions", "ENV_VAR_PARALLEL_START", "_prctl_pr_set_pdeathsig"):
+        assert getattr(mp, name) is getattr(tmp, name), name
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        mp.no_such_name  # noqa: B018

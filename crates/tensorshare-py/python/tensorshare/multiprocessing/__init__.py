@@ -17,7 +17,9 @@ with these differences, which are the point:
   tensorshare.multiprocessing.get_context("spawn"))`` takes it.
 """
 
+import ctypes as _ctypes
 import multiprocessing as _mp
+import os as _os
 from multiprocessing import *  # noqa: F401,F403
 
 from .. import _native
@@ -103,6 +105,45 @@ def Pipe(duplex=True):
 def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
     """A pool of the default context: its functions may be lambdas."""
     return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
+def _set_thread_name(name):
+    """Names the calling thread (the kernel keeps its first 15 bytes), as torch's
+    ``_set_thread_name`` does; without torch too."""
+    _prctl_name(_PR_SET_NAME, _ctypes.create_string_buffer(str(name).encode()[:15], 16))
+
+
+def _get_thread_name():
+    """The calling thread's name, as torch's ``_get_thread_name`` gives it."""
+    buf = _ctypes.create_string_buffer(16)
+    _prctl_name(_PR_GET_NAME, buf)
+    return buf.value.decode(errors="replace")
+
+
+_PR_SET_NAME, _PR_GET_NAME = 15, 16
+
+
+def _prctl_name(option, buf):
+    libc = _ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, buf, 0, 0, 0) != 0:
+        err = _ctypes.get_errno()
+        raise OSError(err, f"prctl: {_os.strerror(err)}")
+
+
+# What torch.multiprocessing has beside the names above, torch's own (the reductions torch's
+# queues use, which importing tensorshare teaches to send arena storages as handles): looked
+# up in torch when first asked for, so that importing this module never imports torch.
+_FROM_TORCH = ("reductions", "init_reductions", "ENV_VAR_PARALLEL_START", "_prctl_pr_set_pdeathsig")
+
+
+def __getattr__(name):
+    if name in _FROM_TORCH:
+        try:
+            import torch.multiprocessing
+        except ImportError:
+            raise AttributeError(f"{__name__}.{name} is torch's, and torch is not installed") from None
+        return getattr(torch.multiprocessing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Workers that torch's own contexts fork from this process inherit the wrapper.
