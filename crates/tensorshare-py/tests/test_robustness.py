@@ -729,14 +729,16 @@ def _descriptors_of_file_mapped_at(address):
             parts = line.split()
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             if lo <= address < hi:
-                inode = int(parts[4])
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                file = (os.makedev(major, minor), int(parts[4]))
                 break
         else:
             raise AssertionError(f"nothing is mapped at {address:#x}")
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.stat(int(fd)).st_ino == inode:
+            st = os.stat(int(fd))
+            if (st.st_dev, st.st_ino) == file:
                 count += 1
         except OSError:
             pass  # the listing's own descriptor, closed by now

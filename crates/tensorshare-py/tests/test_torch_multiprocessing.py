@@ -727,15 +727,23 @@ def test_set_thread_name_names_the_calling_thread():
         with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
             got["kernel"] = f.read().strip()
         got["torch"] = tmp._get_thread_name()
+        mp._set_thread_name(b"as bytes")
+        got["bytes"] = mp._get_thread_name()
+        try:
+            mp._set_thread_name(None)  # torch's aborts the process
+        except TypeError as e:
+            got["none"] = str(e)
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
+    assert got.pop("none") == "a thread's name is a str or bytes, not NoneType"
     assert got == {
         "short": "test name",
         "long": "a name longer t",
         "kernel": "a name longer t",
         "torch": "a name longer t",
+        "bytes": "as bytes",
     }
 
 

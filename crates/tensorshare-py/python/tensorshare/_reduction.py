@@ -4,6 +4,7 @@ Called by the native module (``_native``) while it turns Python values into the
 cross-language ``Value`` and back; not a public interface.
 """
 
+import functools
 import io
 import os
 import pickle
@@ -150,7 +151,7 @@ def _reduce_block_storage(storage):
     its descriptors as multiprocessing passes descriptors (``DupFd``), which hold the
     message's slots until the receiver has its own hold, as the descriptors in a tensorshare
     queue's records do. For a process being started, the descriptors themselves are passed
-    (not copies): they stay open as long as its start object."""
+    (not copies): they stay open until the process is started (``keep_for_launch``)."""
     from multiprocessing import context, reduction
 
     data, fds, parcel = _native.export(storage)
@@ -186,6 +187,7 @@ def release_parcels_at_launch():
         if launch is None or getattr(launch, "_tensorshare", False):
             continue
 
+        @functools.wraps(launch)
         def _launch(self, process_obj, _launch=launch):
             try:
                 return _launch(self, process_obj)

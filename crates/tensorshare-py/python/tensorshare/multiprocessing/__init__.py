@@ -109,12 +109,17 @@ def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
 
 def _set_thread_name(name):
     """Names the calling thread (the kernel keeps its first 15 bytes), as torch's
-    ``_set_thread_name`` does; without torch too."""
-    _prctl_name(_PR_SET_NAME, _ctypes.create_string_buffer(str(name).encode()[:15], 16))
+    ``_set_thread_name`` does, from a str or bytes; without torch too."""
+    if isinstance(name, str):
+        name = name.encode()
+    elif not isinstance(name, bytes):
+        raise TypeError(f"a thread's name is a str or bytes, not {type(name).__name__}")
+    _prctl_name(_PR_SET_NAME, _ctypes.create_string_buffer(name[:15], 16))
 
 
 def _get_thread_name():
-    """The calling thread's name, as torch's ``_get_thread_name`` gives it."""
+    """The calling thread's name, as torch's ``_get_thread_name`` gives it (a character the
+    kernel's 15 bytes cut in two reads as U+FFFD, where torch's raises)."""
     buf = _ctypes.create_string_buffer(16)
     _prctl_name(_PR_GET_NAME, buf)
     return buf.value.decode(errors="replace")
@@ -138,10 +143,12 @@ _FROM_TORCH = ("reductions", "init_reductions", "ENV_VAR_PARALLEL_START", "_prct
 
 def __getattr__(name):
     if name in _FROM_TORCH:
-        try:
-            import torch.multiprocessing
-        except ImportError:
-            raise AttributeError(f"{__name__}.{name} is torch's, and torch is not installed") from None
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise AttributeError(f"{__name__}.{name} is torch's, and torch is not installed")
+        import torch.multiprocessing
+
         return getattr(torch.multiprocessing, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -113,6 +113,16 @@ class ByValueMixin:
         self._target, self._args, self._kwargs = payload
 
     def start(self):
+        try:
+            self._start_in_group()
+        finally:
+            # Closed by the start already (`_reduction.release_parcels_at_launch`), unless a
+            # Python whose Popen classes that could not wrap: then here, once started.
+            popen = getattr(self, "_popen", None)
+            if popen is not None:
+                popen.__dict__.pop("_tensorshare_parcels", None)
+
+    def _start_in_group(self):
         # The group is in the environment the child starts with (and a fork server started
         # now), for as long as it takes to start it: a child whose main module makes a named
         # segment on import, before it reads its state, joins it too. Not left there, or
