@@ -775,3 +775,86 @@ def test_a_started_process_leaves_no_descriptor_of_its_arguments_in_its_parent(m
     # messages of a while, then replaced); nothing more for each process started.
     assert held[1:] == held[:1] * 2, f"descriptors of the arena after each start: {held}"
     assert [t[0].item() for t in tensors] == [3.0] * 5, "a child wrote no block the parent sees"
+
+
+TORCH_FILE_SYSTEM_POOL = """
+    import torch
+    import tensorshare  # noqa: F401
+    import torch.multiprocessing as tmp
+
+
+    def make(i):
+        return torch.full((64,), float(i)).share_memory_()  # into a block only this worker holds
+
+
+    if __name__ == "__main__":
+        tmp.set_sharing_strategy("file_system")
+        ctx = tmp.get_context("{method}")
+        with ctx.Pool(2, maxtasksperchild=1) as pool:
+            got = pool.map_async(make, range(4), chunksize=1).get(timeout={long})
+        print("values", [t[0].item() for t in got], [t.is_shared() for t in got])
+"""
+
+
+def test_under_torchs_file_system_strategy_a_worker_may_leave_before_its_result_is_read(tmp_path):
+    # torch's own Pool under torch's file_system strategy, each worker gone after one task:
+    # what a worker made and shared went by descriptor, which a worker that had left could
+    # no longer hand over; the pool's result thread died, and map timed out. A block only
+    # its sender holds now goes as torch sends it under file_system, by name. (Forked
+    # workers: with spawned ones, plain torch times out as well.)
+    import_torch()
+    code = TORCH_FILE_SYSTEM_POOL.format(method="fork", long=LONG)
+    out = run_python(code, timeout=4 * LONG, script_dir=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "values [0.0, 1.0, 2.0, 3.0] [True, True, True, True]" in out.stdout, out.stdout + out.stderr
+
+
+def _put_and_leave(q):
+    import torch
+
+    q.put(torch.full((1000,), 5.0).share_memory_())
+
+
+def _torch_file_system():
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    return tmp, before
+
+
+def test_under_torchs_file_system_strategy_a_sender_may_leave_before_its_value_is_read():
+    torch = import_torch()
+    from tensorshare import _native
+
+    tmp, before = _torch_file_system()
+    try:
+        ctx = tmp.get_context("fork")
+        q = ctx.SimpleQueue()
+        inherited = torch.zeros(8).share_memory_()
+        block = _native.find_block(inherited.untyped_storage().data_ptr())
+        assert block is not None and block.held_only_here
+        p = ctx.Process(target=_put_and_leave, args=(q,))
+        p.start()
+        reap(p)
+        assert p.exitcode == 0
+        got = q.get()  # its sender is gone
+        assert got.tolist() == [5.0] * 1000
+        # A block the child inherited: sent by descriptor, where it is, so that the child's
+        # copy and this process's stay one memory.
+        assert not block.held_only_here, "a block held at a fork"
+        q.put(inherited)
+        back = q.get()
+        assert _native.find_block(inherited.untyped_storage().data_ptr()) is block, "the storage moved"
+        back.fill_(2.0)
+        assert inherited.tolist() == [2.0] * 8
+        # A block only this process holds goes as torch sends it: into torch's own file,
+        # in place, with its tensors.
+        mine = torch.full((8,), 3.0).share_memory_()
+        q.put(mine)
+        back = q.get()
+        assert _native.find_block(mine.untyped_storage().data_ptr()) is None, "still in its block"
+        back.fill_(4.0)
+        assert mine.tolist() == [4.0] * 8
+    finally:
+        tmp.set_sharing_strategy(before)
