@@ -37,6 +37,18 @@ def strategy(request):
     mp.set_sharing_strategy(old)
 
 
+def mapped_at(address):
+    """The fields of the line of /proc/self/maps whose mapping holds ``address`` (range,
+    permissions, offset, device, inode and, if any, path), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts
+    return None
+
+
 def named_segments(root=None):
     """tensorshare's named segments in /dev/shm (of the group founded by ``root``)."""
     prefix = "tensorshare_" if root is None else f"tensorshare_{root}_"

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import LONG, STRATEGIES, import_torch, named_segments, reap, run_python
+from conftest import LONG, STRATEGIES, import_torch, mapped_at, named_segments, reap, run_python
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -724,16 +724,10 @@ def _add_one_to_each(tensors):
 
 def _descriptors_of_file_mapped_at(address):
     """How many descriptors of this process are open on the file mapped at ``address``."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= address < hi:
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                file = (os.makedev(major, minor), int(parts[4]))
-                break
-        else:
-            raise AssertionError(f"nothing is mapped at {address:#x}")
+    parts = mapped_at(address)
+    assert parts is not None, f"nothing is mapped at {address:#x}"
+    major, minor = (int(x, 16) for x in parts[3].split(":"))
+    file = (os.makedev(major, minor), int(parts[4]))
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

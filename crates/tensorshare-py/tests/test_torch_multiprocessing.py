@@ -20,20 +20,17 @@ import pytest
 
 import tensorshare
 import tensorshare.multiprocessing as mp
-from conftest import LONG, STRATEGIES, import_torch, method_of, run_python
+from conftest import LONG, STRATEGIES, import_torch, mapped_at, method_of, run_python
 
 torch = import_torch()
 
 
 def mapping_of(address):
     """The path /proc/self/maps gives for the mapping holding ``address``."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= address < hi:
-                return parts[5] if len(parts) > 5 else ""
-    return None
+    parts = mapped_at(address)
+    if parts is None:
+        return None
+    return parts[5] if len(parts) > 5 else ""
 
 
 def open_fds():
