@@ -116,8 +116,8 @@ class ByValueMixin:
         try:
             self._start_in_group()
         finally:
-            # Closed by the start already (`_reduction.release_parcels_at_launch`), unless a
-            # Python whose Popen classes that could not wrap: then here, once started.
+            # Closed by the start already (`_reduction.release_parcels_at_launch`), unless
+            # this Python's Popen classes could not be wrapped: then here, once started.
             popen = getattr(self, "_popen", None)
             if popen is not None:
                 popen.__dict__.pop("_tensorshare_parcels", None)
