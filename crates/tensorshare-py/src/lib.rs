@@ -75,13 +75,6 @@ impl Block {
         self.storage.is_shared()
     }
 
-    /// Whether no other process can hold its memory: made here (or moved here into
-    /// shared memory), and neither sent nor held when this process forked.
-    #[getter]
-    fn held_only_here(&self) -> bool {
-        self.storage.is_held_only_here()
-    }
-
     fn __len__(&self) -> usize {
         self.storage.len()
     }

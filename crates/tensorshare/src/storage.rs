@@ -269,22 +269,6 @@ impl Storage {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Whether no other process can hold this storage's memory: a private storage, or a
-    /// shared one this process made (or moved into shared memory) and has neither sent (in a
-    /// message, to a process it started) nor held when it forked. A received or inherited
-    /// storage, or a device one, may be held elsewhere. A snapshot, which a send from another
-    /// thread may change at once: for choosing how to send it (a storage held only here may
-    /// move elsewhere without leaving another process apart), not for deciding who may touch
-    /// the bytes.
-    pub fn is_held_only_here(&self) -> bool {
-        match self.inner.shared() {
-            None | Some(Shared::Empty(_)) => true,
-            Some(Shared::Slot(s)) => s.arena().held_only_here(s.slot()),
-            #[cfg(feature = "cuda")]
-            Some(Shared::Device(_)) => false,
-        }
-    }
-
     /// How many handles of this storage exist in this process: its clones, the tensors
     /// viewing it, and what holds one of those (an export to another library, a value being
     /// sent). A snapshot, which other threads may change at once; for diagnostics and tests

@@ -414,21 +414,3 @@ fn send_back_what_was_inherited(_rank: usize, _: ()) {
     assert_eq!(&seen[8..12], &[-1.0; 4], "the view is not of the parent's own memory");
     assert!(seen[..8].iter().chain(&seen[12..]).all(|&v| v == 3.0));
 }
-
-/// A storage the parent held when it forked is in the child too: it is no longer held only
-/// by the parent, whose sends may then not move it elsewhere (the Python package's torch
-/// reduction asks this).
-#[test]
-fn a_storage_held_at_a_fork_is_no_longer_held_only_here() {
-    let mut t = Tensor::zeros(&[16], DType::F32);
-    t.share_memory().unwrap();
-    // SAFETY: fork has no memory-safety preconditions; the child only calls `_exit`.
-    let pid = match unsafe { libc::fork() } {
-        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
-        // SAFETY: `_exit` ends the child at once, running nothing of the parent's state.
-        0 => unsafe { libc::_exit(0) },
-        pid => Pid::from_raw(pid).unwrap(),
-    };
-    how_it_ended(pid, Instant::now() + Duration::from_secs(60)).unwrap();
-    assert!(!t.storage().is_held_only_here(), "the child inherited it");
-}

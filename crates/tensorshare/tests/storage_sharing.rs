@@ -137,22 +137,3 @@ fn a_full_shm_filesystem_gives_out_of_shared_memory() {
         eprintln!("skipped: {why}");
     }
 }
-
-/// A storage is held only here until this process sends it: a message that carries it
-/// (sent or not) exposes it, and what comes back is the same storage, still exposed.
-/// (No test of this binary forks, which would expose every storage held at the time.)
-#[test]
-fn a_storage_is_held_only_here_until_a_message_carries_it() {
-    let private = Storage::new(64);
-    assert!(private.is_held_only_here(), "a private storage");
-    for strategy in get_all_sharing_strategies() {
-        let mut t = Tensor::zeros(&[16], DType::F32);
-        t.share_memory_with(strategy).unwrap();
-        let clone = t.storage().clone();
-        assert!(clone.is_held_only_here(), "a storage made here and never sent ({strategy})");
-        let message = tensorshare::Message::encode(&t).unwrap();
-        assert!(!t.storage().is_held_only_here(), "a storage a message carries ({strategy})");
-        let back: Tensor = message.decode().unwrap();
-        assert!(back.storage().ptr_eq(t.storage()) && !back.storage().is_held_only_here());
-    }
-}

@@ -78,24 +78,8 @@ def move_storage(storage):
 
 
 def _is_ours(storage):
-    return _block_of(storage) is not None
-
-
-def _block_of(storage):
-    """The block CPU ``storage`` is in, if any."""
     block = _native.find_block(storage.data_ptr())
-    return block if block is not None and block.nbytes >= storage.nbytes() else None
-
-
-def _torch_moves(torch, block):
-    """Whether torch's own queues send a storage in ``block`` the way torch sends any
-    storage: under torch's ``file_system`` strategy, when no other process can hold the
-    block (made here, never sent, not held at a fork). torch then moves the storage, in
-    place, into a file of its own in /dev/shm that the receiver opens by name, so the
-    sender may be gone by then, as in torch. A block another process may hold stays where
-    it is and travels by descriptor (its sender must still be there when it is received):
-    a move would leave that process apart from this one."""
-    return torch.multiprocessing.get_sharing_strategy() == "file_system" and block.held_only_here
+    return block is not None and block.nbytes >= storage.nbytes()
 
 
 def patch_torch(torch):
@@ -140,8 +124,7 @@ def _teach_torch_queues(torch):
     move it into torch's own shared memory in the sending process (``_share_fd_cpu_``): a
     fork worker sending a row of a dataset shared before it started then sent a copy of its
     own, which writes through the received tensor never reached, and each worker made one.
-    Storages in no block keep torch's reduction, and so, under torch's ``file_system``
-    strategy, does one in a block that only this process holds (see ``_torch_moves``)."""
+    Storages in no block keep torch's reduction."""
     try:
         from multiprocessing.reduction import ForkingPickler
 
@@ -153,10 +136,8 @@ def _teach_torch_queues(torch):
         return
 
     def reduce_storage(storage):
-        if storage.device.type == "cpu" and storage.nbytes():
-            block = _block_of(storage)
-            if block is not None and not _torch_moves(torch, block):
-                return _reduce_block_storage(storage)
+        if storage.device.type == "cpu" and storage.nbytes() and _is_ours(storage):
+            return _reduce_block_storage(storage)
         return torch_reduce(storage)
 
     reduce_storage._tensorshare = True

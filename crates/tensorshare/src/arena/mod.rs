@@ -288,16 +288,6 @@ impl Arena {
         self.generation == crate::util::fork::generation()
     }
 
-    /// Whether no other process can hold `slot`: this process created the arena (it is not
-    /// a child's copy of its parent's, nor a received one), and the slot is not exposed:
-    /// not sent since it was handed out, nor held when this process forked.
-    pub(crate) fn held_only_here(&self, slot: u32) -> bool {
-        if !self.creator || !self.is_own() || self.forked.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
-        }
-        self.state().exposed.get(slot as usize).is_some_and(|e| !*e)
-    }
-
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
