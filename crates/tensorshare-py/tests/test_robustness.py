@@ -769,3 +769,33 @@ def test_a_started_process_leaves_no_descriptor_of_its_arguments_in_its_parent(m
     # messages of a while, then replaced); nothing more for each process started.
     assert held[1:] == held[:1] * 2, f"descriptors of the arena after each start: {held}"
     assert [t[0].item() for t in tensors] == [3.0] * 5, "a child wrote no block the parent sees"
+
+
+def test_under_torchs_file_system_strategy_a_shared_tensor_stays_where_numpy_sees_it():
+    # A tensor shared before it is viewed from numpy stays in that memory when torch's own
+    # queue sends it, under either strategy, as in plain torch, which never moves a shared
+    # storage again. A version that let torch move an arena storage at put under
+    # file_system left the array on the freed slot, which the next tensors were handed.
+    torch = import_torch()
+    import torch.multiprocessing as tmp
+
+    from tensorshare import _native
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        q = tmp.get_context("fork").SimpleQueue()
+        t = torch.zeros(1024).share_memory_()
+        a = t.numpy()
+        block = _native.find_block(t.untyped_storage().data_ptr())
+        assert block is not None, "share_memory_() put it in a block"
+        q.put(t)
+        got = q.get()
+        assert _native.find_block(t.untyped_storage().data_ptr()) is block, "the storage moved"
+        a[0] = 3.0
+        assert (t[0].item(), got[0].item()) == (3.0, 3.0), "the tensor left the memory numpy sees"
+        others = [torch.full((1024,), 7.0).share_memory_() for _ in range(20)]
+        a[1] = 5.0
+        assert all(o[1].item() == 7.0 for o in others), "numpy wrote into another tensor"
+    finally:
+        tmp.set_sharing_strategy(before)
