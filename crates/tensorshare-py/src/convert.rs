@@ -128,7 +128,12 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
         return Ok(Value::Float(obj.extract()?));
     }
     if obj.is_exact_instance_of::<PyString>() {
-        return Ok(Value::Str(obj.extract()?));
+        // A str with lone surrogates (a file name that is not UTF-8, as `os.fsdecode` gives
+        // it) has no UTF-8 form for the wire's string: pickled, as multiprocessing sends it.
+        return Ok(match obj.extract::<String>() {
+            Ok(s) => Value::Str(s),
+            Err(_) => pickled(py, obj)?,
+        });
     }
     if obj.is_exact_instance_of::<PyBytes>() {
         return Ok(Value::Bytes(obj.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes().to_vec()));

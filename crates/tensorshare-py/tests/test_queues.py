@@ -1,6 +1,7 @@
 """Queues between Python processes: values, tensors and arrays as handles, every start
 method and sharing strategy."""
 
+import os
 import queue
 import threading
 
@@ -48,6 +49,31 @@ def test_plain_values_round_trip():
     for v in values:
         assert tensorshare.roundtrip(v) == v
         assert type(tensorshare.roundtrip(v)) is type(v)
+
+
+def test_a_str_that_is_not_utf_8_travels_as_pickle_sends_it(ctx):
+    # What os.fsdecode and os.listdir give for a file name that is not UTF-8: a str with lone
+    # surrogates, which UTF-8 cannot encode. pickle sends it (multiprocessing's queues
+    # and pipes do), so a dataset's file list must travel here too, alone and inside a
+    # value, as a key and through a pipe, to a child and back.
+    name = os.fsdecode(b"img_\xff.png")
+    assert name == "img_\udcff.png"
+    values = [name, {"path": name, "n": 1}, [name, "plain"], {name: 1}, (name,)]
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo, args=(q_in, q_out))
+    p.start()
+    try:
+        for v in values:
+            q_in.put(v)
+            got = q_out.get(timeout=60)
+            assert got == v and type(got) is type(v)
+    finally:
+        q_in.put(None)
+        reap(p)
+    assert p.exitcode == 0
+    a, b = ctx.Pipe()
+    a.send({"path": name})
+    assert b.recv() == {"path": name}
 
 
 def test_a_value_that_contains_itself_is_pickled_whole():
