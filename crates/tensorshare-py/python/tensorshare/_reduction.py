@@ -4,6 +4,9 @@ Called by the native module (``_native``) while it turns Python values into the
 cross-language ``Value`` and back; not a public interface.
 """
 
+import collections
+import collections.abc
+import copyreg
 import functools
 import io
 import os
@@ -11,6 +14,7 @@ import pickle
 import reprlib
 import sys
 import types
+from multiprocessing.reduction import ForkingPickler
 
 from . import _native
 
@@ -126,8 +130,6 @@ def _teach_torch_queues(torch):
     own, which writes through the received tensor never reached, and each worker made one.
     Storages in no block keep torch's reduction."""
     try:
-        from multiprocessing.reduction import ForkingPickler
-
         import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions)
     except ImportError:
         return
@@ -411,12 +413,46 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
     return np.zeros(shape, dt)
 
 
-class _Pickler(_cloudpickle.Pickler if _cloudpickle else pickle.Pickler):
+def _is_torchs(cls):
+    """Whether class ``cls`` is torch's (its module is ``torch`` or under it)."""
+    return (getattr(cls, "__module__", None) or "").partition(".")[0] == "torch"
+
+
+class _MultiprocessingReducers(collections.abc.Mapping):
+    """The reducers registered with multiprocessing's pickler (``ForkingPickler.register``:
+    its own for a ``Connection``, a socket and the heap arenas of ``Value`` and ``Array``;
+    those of other libraries), read when asked, so that later registrations count, except
+    torch's: this pickler sends tensors and storages itself. Without them such objects were
+    pickled as plain objects: a Connection arrived holding its sender's descriptor number,
+    and wrote to whatever file had that number in the receiver."""
+
+    def __getitem__(self, cls):
+        if _is_torchs(cls):
+            raise KeyError(cls)
+        return ForkingPickler._extra_reducers[cls]
+
+    def __iter__(self):
+        return (cls for cls in list(ForkingPickler._extra_reducers) if not _is_torchs(cls))
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+_Base = _cloudpickle.Pickler if _cloudpickle else pickle.Pickler
+
+
+class _Pickler(_Base):
     """Pickles by value what cannot be found by name (lambdas, closures, local functions),
     and a function or class of the main module by name with a copy by value beside it (see
     ``_main_reduction``); tensors, arrays and tensorshare queues inside become persistent ids
     (indices into a list that travels beside the pickle as handles). ``by_value``: a copy's
     pickler, which pickles the main module's functions and classes by value only."""
+
+    # Read by the pickler for each object of a class it has no other way for: cloudpickle's
+    # table (with copyreg's) first, then multiprocessing's.
+    dispatch_table = collections.ChainMap(
+        getattr(_Base, "dispatch_table", copyreg.dispatch_table), _MultiprocessingReducers()
+    )
 
     def __init__(self, file, inner, by_value=False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)

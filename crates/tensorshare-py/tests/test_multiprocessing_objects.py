@@ -1,0 +1,89 @@
+"""multiprocessing's own objects travel as multiprocessing sends them: shared ctypes
+(`Value`, `Array`), a `Manager` and its proxies, the ends of multiprocessing's own `Pipe` and
+sockets, as process arguments and through tensorshare's queues, with every start method.
+Their reducers are those multiprocessing registers (`ForkingPickler.register`), which
+tensorshare's pickler consults as multiprocessing's does: pickled as plain objects instead,
+a Connection arrived holding its sender's descriptor number, and wrote to whatever file had
+that number in the receiver."""
+
+import multiprocessing
+import os
+import socket
+
+from conftest import LONG, reap
+
+
+def _add(v, a):
+    v.value += 41
+    a[0] = 99.0
+
+
+def test_value_and_array_reach_a_child_whose_writes_the_parent_sees(ctx):
+    v = ctx.Value("i", 1)
+    a = ctx.Array("d", [0.0, 1.0])
+    p = ctx.Process(target=_add, args=(v, a))
+    p.start()
+    reap(p)
+    assert p.exitcode == 0
+    assert v.value == 42 and a[:] == [99.0, 1.0]
+
+
+def _fill_dict(d, lst):
+    d["a"] = 1
+    lst.append("from child")
+
+
+def test_a_manager_starts_and_its_proxies_reach_a_child(ctx):
+    with ctx.Manager() as m:
+        d, lst = m.dict(), m.list()
+        p = ctx.Process(target=_fill_dict, args=(d, lst))
+        p.start()
+        reap(p)
+        assert p.exitcode == 0
+        assert dict(d) == {"a": 1} and list(lst) == ["from child"]
+
+
+def _send_on(conn, sock):
+    conn.send("hello from child")
+    sock.sendall(b"bytes from child")
+
+
+def test_ends_of_multiprocessings_pipe_and_a_socket_as_process_arguments(ctx):
+    r, w = multiprocessing.Pipe()
+    a, b = socket.socketpair()
+    with a, b:
+        p = ctx.Process(target=_send_on, args=(w, b))
+        p.start()
+        assert r.poll(LONG) and r.recv() == "hello from child"
+        a.settimeout(LONG)
+        assert a.recv(64) == b"bytes from child"
+        reap(p)
+    assert p.exitcode == 0
+
+
+def _send_on_received(q, n_files):
+    # Descriptors opened first, so that the sender's descriptor numbers name other files
+    # here: a Connection or socket that arrived with its sender's number would write to one.
+    files = [open(os.devnull, "w") for _ in range(n_files)]  # noqa: SIM115 - closed below
+    try:
+        conn, sock = q.get(timeout=LONG)
+        conn.send("hello through the queue")
+        sock.sendall(b"bytes through the queue")
+    finally:
+        for f in files:
+            f.close()
+
+
+def test_ends_of_multiprocessings_pipe_and_a_socket_through_a_queue(ctx):
+    q = ctx.Queue()
+    r, w = multiprocessing.Pipe()
+    a, b = socket.socketpair()
+    with a, b:
+        p = ctx.Process(target=_send_on_received, args=(q, 64))
+        p.start()
+        q.put((w, b))
+        assert r.poll(LONG) and r.recv() == "hello through the queue"
+        a.settimeout(LONG)
+        assert a.recv(64) == b"bytes through the queue"
+        reap(p)
+    assert p.exitcode == 0
