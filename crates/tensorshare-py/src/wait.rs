@@ -9,17 +9,20 @@ use pyo3::PyResult;
 /// How long one wait lasts before Python gets to run its signal handlers.
 pub(crate) const SLICE: Duration = Duration::from_millis(100);
 
-/// The deadline of a wait: now when not `block`, never (`None`) without a `timeout`.
+/// The deadline of a wait: now when not `block`, never (`None`) without a `timeout`. As in
+/// multiprocessing, a timeout of zero or less is a look that does not wait (so the usual
+/// `timeout=deadline - time.monotonic()` of a deadline already passed raises `Empty`, not an
+/// error); an infinite one waits for good (where multiprocessing raises `OverflowError`);
+/// NaN is an error, as there.
 pub(crate) fn deadline_of(block: bool, timeout: Option<f64>) -> PyResult<Option<Instant>> {
     if !block {
         return Ok(Some(Instant::now()));
     }
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => {
-            Ok(Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))))
-        }
-        Some(t) => Err(PyValueError::new_err(format!("'timeout' must be a non-negative number, got {t}"))),
+        Some(t) if t.is_nan() => Err(PyValueError::new_err("'timeout' must be a number, got nan")),
+        Some(t) if t == f64::INFINITY => Ok(None),
+        Some(t) => Ok(Some(Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9)))),
     }
 }
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tensorshare
-from conftest import import_torch, reap, run_python
+from conftest import LONG, import_torch, reap, run_python
 
 
 def _echo(q_in, q_out):
@@ -364,6 +364,42 @@ def test_a_bounded_queue_raises_full():
         q.put_nowait(3)
     assert q.get() == 1
     q.put(3)
+
+
+def _put_after(q, ready, value):
+    ready.wait(LONG)
+    q.put(value)
+
+
+def test_a_timeout_already_past_looks_without_waiting_and_an_infinite_one_waits(ctx):
+    # As in multiprocessing, a timeout of zero or less looks without waiting: the usual
+    # `timeout=deadline - time.monotonic()` once the deadline has passed raises Empty or
+    # Full, and a put on an unbounded queue goes in. An infinite timeout waits for good
+    # (multiprocessing raises OverflowError there); NaN is an error, as there.
+    q, bounded = ctx.Queue(), ctx.Queue(maxsize=1)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=-0.05)
+    q.put("in", timeout=-1.0)
+    assert q.get(timeout=LONG) == "in"
+    bounded.put(0)
+    with pytest.raises(queue.Full):
+        bounded.put(1, timeout=-1.0)
+    with pytest.raises(ValueError, match="nan"):
+        q.get(timeout=float("nan"))
+    a, b = ctx.Pipe()
+    assert not b.poll(-1.0)
+    a.send(1)
+    assert b.poll(LONG) and b.poll(-1.0) and b.recv() == 1
+    # A value a child puts once the parent waits with no end.
+    ready = ctx.Event()
+    p = ctx.Process(target=_put_after, args=(q, ready, "late"))
+    p.start()
+    ready.set()
+    try:
+        assert q.get(timeout=float("inf")) == "late"
+    finally:
+        reap(p)
+    assert p.exitcode == 0
 
 
 def _take_one_put_two(q):
