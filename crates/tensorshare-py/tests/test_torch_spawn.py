@@ -216,6 +216,21 @@ def test_exception_single(ctx, failing):
     assert "Traceback (most recent call last)" in str(e) and "_fail_at" in str(e)
 
 
+def _interrupted(i):
+    raise KeyboardInterrupt(f"deliberate interrupt of process {i}")
+
+
+def test_a_keyboard_interrupt_in_a_child_whose_parent_lives_is_its_failure(ctx):
+    # As torch >= 2.15: only a parent's death (which its children get as SIGINT) ends a
+    # child quietly; a KeyboardInterrupt of the function's own is reported as any failure,
+    # with exit code 130, instead of counting as success.
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.start_processes(_interrupted, nprocs=1, start_method=method_of(ctx))
+    e = info.value
+    assert e.error_index == 0 and e.pid > 0
+    assert "KeyboardInterrupt: deliberate interrupt of process 0" in str(e)
+
+
 def test_exception_all(ctx):
     with pytest.raises(
         mp.ProcessRaisedException, match=r"\nValueError: deliberate failure of process (0|1)\n?$"

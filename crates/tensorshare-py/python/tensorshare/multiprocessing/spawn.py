@@ -5,6 +5,7 @@ import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import sys
 import time
@@ -70,12 +71,17 @@ def _set_parent_death_signal(sig):
 
 
 def _wrap(fn, i, args, error_queue):
-    # SIGINT when the parent dies: KeyboardInterrupt, below, ends the process quietly.
+    # SIGINT when the parent dies: KeyboardInterrupt, below, ends the process quietly then.
     _set_parent_death_signal(signal.SIGINT)
+    parent = os.getppid()
     try:
         fn(i, *args)
     except KeyboardInterrupt:
-        pass
+        # The function's own (its parent still there) is a failure like any other, as in
+        # torch >= 2.15, with the exit code of a process SIGINT ended.
+        if os.getppid() == parent:
+            error_queue.put(traceback.format_exc())
+            sys.exit(128 + signal.SIGINT)
     except Exception:
         error_queue.put(traceback.format_exc())
         sys.exit(1)
