@@ -6,11 +6,16 @@ tensorshare's pickler consults as multiprocessing's does: pickled as plain objec
 a Connection arrived holding its sender's descriptor number, and wrote to whatever file had
 that number in the receiver."""
 
+import functools
 import multiprocessing
 import os
 import socket
+import threading
 
-from conftest import LONG, reap
+import pytest
+
+import tensorshare
+from conftest import LONG, import_torch, reap
 
 
 def _add(v, a):
@@ -51,7 +56,7 @@ def _send_on(conn, sock):
 def test_ends_of_multiprocessings_pipe_and_a_socket_as_process_arguments(ctx):
     r, w = multiprocessing.Pipe()
     a, b = socket.socketpair()
-    with a, b:
+    with r, w, a, b:
         p = ctx.Process(target=_send_on, args=(w, b))
         p.start()
         assert r.poll(LONG) and r.recv() == "hello from child"
@@ -78,7 +83,7 @@ def test_ends_of_multiprocessings_pipe_and_a_socket_through_a_queue(ctx):
     q = ctx.Queue()
     r, w = multiprocessing.Pipe()
     a, b = socket.socketpair()
-    with a, b:
+    with r, w, a, b:
         p = ctx.Process(target=_send_on_received, args=(q, 64))
         p.start()
         q.put((w, b))
@@ -87,3 +92,42 @@ def test_ends_of_multiprocessings_pipe_and_a_socket_through_a_queue(ctx):
         assert a.recv(64) == b"bytes through the queue"
         reap(p)
     assert p.exitcode == 0
+
+
+def _scaled(x, factor):
+    return x * factor
+
+
+def test_a_partial_keeps_its_attributes_as_its_own_reduction_keeps_them():
+    # multiprocessing's reducer for functools.partial drops them; the partial's own keeps
+    # them, and is the one used.
+    p = functools.update_wrapper(functools.partial(_scaled, factor=3), _scaled)
+    got = tensorshare.roundtrip({"f": p})["f"]
+    assert got(2) == 6 and got.__name__ == "_scaled" and got.__wrapped__ is _scaled
+
+
+def _nothing(*args):
+    pass
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_process_argument_that_cannot_be_pickled_names_itself(method):
+    import tensorshare.multiprocessing as mp
+
+    ctx = mp.get_context(method)
+    p = ctx.Process(target=_nothing, args=(1, threading.Lock()))
+    with pytest.raises(TypeError, match=r"cannot send the target and arguments of a process .*lock"):
+        p.start()
+    assert p.pid is None
+
+
+def test_a_cuda_tensor_as_a_process_argument_is_refused_not_copied():
+    # (Where a GPU is present.) Pickled, its bytes were copied, and the child's writes lost.
+    torch = import_torch()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import tensorshare.multiprocessing as mp
+
+    p = mp.get_context("spawn").Process(target=_nothing, args=(torch.zeros(2, device="cuda"),))
+    with pytest.raises(TypeError, match="cannot be sent by tensorshare's Python package yet"):
+        p.start()

@@ -390,16 +390,18 @@ def test_a_timeout_already_past_looks_without_waiting_and_an_infinite_one_waits(
     assert not b.poll(-1.0)
     a.send(1)
     assert b.poll(LONG) and b.poll(-1.0) and b.recv() == 1
-    # A value a child puts once the parent waits with no end.
+    # A value a child puts while the parent waits with no end (in a thread, so that a bug
+    # fails the test rather than hang it).
     ready = ctx.Event()
     p = ctx.Process(target=_put_after, args=(q, ready, "late"))
     p.start()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(q.get(timeout=float("inf"))), daemon=True)
+    waiter.start()
     ready.set()
-    try:
-        assert q.get(timeout=float("inf")) == "late"
-    finally:
-        reap(p)
-    assert p.exitcode == 0
+    waiter.join(LONG)
+    reap(p)
+    assert got == ["late"] and p.exitcode == 0
 
 
 def _take_one_put_two(q):

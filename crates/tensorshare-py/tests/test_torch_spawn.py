@@ -224,11 +224,14 @@ def test_a_keyboard_interrupt_in_a_child_whose_parent_lives_is_its_failure(ctx):
     # As torch >= 2.15: only a parent's death (which its children get as SIGINT) ends a
     # child quietly; a KeyboardInterrupt of the function's own is reported as any failure,
     # with exit code 130, instead of counting as success.
+    pc = mp.start_processes(_interrupted, nprocs=1, join=False, start_method=method_of(ctx))
     with pytest.raises(mp.ProcessRaisedException) as info:
-        mp.start_processes(_interrupted, nprocs=1, start_method=method_of(ctx))
+        while not pc.join(LONG):
+            pass
     e = info.value
     assert e.error_index == 0 and e.pid > 0
     assert "KeyboardInterrupt: deliberate interrupt of process 0" in str(e)
+    assert pc.processes[0].exitcode == 130
 
 
 def test_exception_all(ctx):

@@ -275,6 +275,17 @@ def torch_shares(torch, untyped):
     return not can_move_in_place(torch) or _torch_shm_kind(torch, untyped) is not None
 
 
+def _refuse_device(device):
+    """An error for a tensor or storage on a device tensorshare does not send yet (anything but
+    the CPU and meta), as the conversion of values gives it: pickled, its bytes would be
+    copied, and the receiver's writes would be lost with no error."""
+    if device.type not in ("cpu", "meta"):
+        raise RuntimeError(
+            f"a tensor on {device} cannot be sent by tensorshare's Python package yet; "
+            "move it to the CPU first"
+        )
+
+
 def torch_reduction(obj):
     """torch's own reduction (``torch.multiprocessing.reductions``) of ``obj`` when it is a
     CPU tensor or storage in no block that torch shares (``torch_shares``): shared as
@@ -285,6 +296,8 @@ def torch_reduction(obj):
     torch = _torch()
     if torch is None:
         return None
+    if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+        _refuse_device(obj.device)
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
         if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg() or obj.is_conj():
             # torch's reduce_tensor keeps neither bit: torch's __reduce_ex__ does, and its
@@ -413,26 +426,33 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
     return np.zeros(shape, dt)
 
 
-def _is_torchs(cls):
-    """Whether class ``cls`` is torch's (its module is ``torch`` or under it)."""
-    return (getattr(cls, "__module__", None) or "").partition(".")[0] == "torch"
+def _consulted(cls):
+    """Whether multiprocessing's reducer for class ``cls`` is used (see
+    ``_MultiprocessingReducers``): not for torch's classes (its module ``torch`` or under it)
+    nor ``functools.partial``."""
+    module = getattr(cls, "__module__", None)
+    return cls is not functools.partial and not (
+        isinstance(module, str) and module.partition(".")[0] == "torch"
+    )
 
 
 class _MultiprocessingReducers(collections.abc.Mapping):
     """The reducers registered with multiprocessing's pickler (``ForkingPickler.register``:
-    its own for a ``Connection``, a socket and the heap arenas of ``Value`` and ``Array``;
-    those of other libraries), read when asked, so that later registrations count, except
-    torch's: this pickler sends tensors and storages itself. Without them such objects were
-    pickled as plain objects: a Connection arrived holding its sender's descriptor number,
-    and wrote to whatever file had that number in the receiver."""
+    its own for a ``Connection``, a socket, the heap arenas of ``Value`` and ``Array`` and the
+    ctypes they hold, methods and descriptors; those of other libraries), read when asked, so
+    that later registrations count. Not torch's (this pickler sends tensors and storages
+    itself), nor multiprocessing's for ``functools.partial``, which drops the partial's
+    attributes where its own reduction keeps them. Without them such objects were pickled as
+    plain objects: a Connection arrived holding its sender's descriptor number, and wrote to
+    whatever file had that number in the receiver."""
 
     def __getitem__(self, cls):
-        if _is_torchs(cls):
+        if not _consulted(cls):
             raise KeyError(cls)
         return ForkingPickler._extra_reducers[cls]
 
     def __iter__(self):
-        return (cls for cls in list(ForkingPickler._extra_reducers) if not _is_torchs(cls))
+        return (cls for cls in list(ForkingPickler._extra_reducers) if _consulted(cls))
 
     def __len__(self):
         return sum(1 for _ in self)
@@ -451,7 +471,8 @@ class _Pickler(_Base):
     # Read by the pickler for each object of a class it has no other way for: cloudpickle's
     # table (with copyreg's) first, then multiprocessing's.
     dispatch_table = collections.ChainMap(
-        getattr(_Base, "dispatch_table", copyreg.dispatch_table), _MultiprocessingReducers()
+        _cloudpickle.Pickler.dispatch_table if _cloudpickle else copyreg.dispatch_table,
+        _MultiprocessingReducers(),
     )
 
     def __init__(self, file, inner, by_value=False):
@@ -654,4 +675,23 @@ def loads(data, inner):
 
 
 def _describe(obj):
+    if type(obj) is OnePickle:
+        return f"the target and arguments of a process {reprlib.repr(obj.value)}"
     return f"{type(obj).__qualname__} {reprlib.repr(obj)}"
+
+
+class OnePickle:
+    """A value pickled whole, in one pickle (tensors and queues inside still as handles), as
+    multiprocessing pickles a process it starts: objects that share an object then share it
+    in the child too, and a descriptor that multiprocessing passes for it is passed once. A
+    process's arguments converted item by item were pickled each on its own: a ``Value`` and
+    an ``Array`` of one heap arena passed the arena's descriptor twice, which failed the
+    start, and the child would have closed it twice."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return (OnePickle, (self.value,))

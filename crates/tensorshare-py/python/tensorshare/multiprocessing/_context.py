@@ -38,7 +38,7 @@ def _export_for_child(obj):
 class _ByValue:
     """A value that travels to a child being started as a tensorshare message: lambdas and
     closures by value (cloudpickle), tensors and queues as handles, all of it in one pickle
-    (see ``_OnePickle``)."""
+    (see ``_reduction.OnePickle``)."""
 
     __slots__ = ("value",)
 
@@ -46,28 +46,11 @@ class _ByValue:
         self.value = value
 
     def __reduce__(self):
-        return (_rebuild_by_value, _export_for_child(_OnePickle(self.value)))
+        return (_rebuild_by_value, _export_for_child(_reduction.OnePickle(self.value)))
 
 
 def _rebuild_by_value(data, dupfds):
     return _ByValue(_reduction.import_dup_fds(data, dupfds).value)
-
-
-class _OnePickle:
-    """A value pickled whole, in one pickle (tensors and queues inside still as handles), as
-    multiprocessing pickles a process it starts: objects that share an object then share it
-    in the child too, and a descriptor that multiprocessing passes for it is passed once. A
-    process's arguments converted item by item were pickled each on its own: a ``Value`` and
-    an ``Array`` of one heap arena passed the arena's descriptor twice, which failed the
-    start, and the child would have closed it twice."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __reduce__(self):
-        return (_OnePickle, (self.value,))
 
 
 def _allocate_batches_in_arenas():
