@@ -352,6 +352,25 @@ def test_get_timeout_and_nowait_raise_empty():
     assert q.get() == 1
 
 
+def test_closed_queues_answer_as_multiprocessings_do():
+    import tensorshare.multiprocessing as mp
+
+    q = mp.Queue()
+    with pytest.raises(AssertionError, match="not closed"):
+        q.join_thread()
+    q.put(1)
+    q.close()
+    q.join_thread()
+    with pytest.raises(ValueError, match="is closed"):
+        q.put(2)
+    s = mp.SimpleQueue()
+    s.put(1)
+    s.close()
+    for use in (lambda: s.put(2), s.get, s.empty):
+        with pytest.raises(OSError, match="handle is closed"):
+            use()
+
+
 def test_a_bounded_queue_raises_full():
     import tensorshare.multiprocessing as mp
 

@@ -81,11 +81,22 @@ class SimpleQueue(_Wrapper):
     def __init__(self, *, ctx=None):
         super().__init__(_native.Queue(simple=True), ctx)
 
+    def _check_open(self):
+        # As multiprocessing's, whose close() closes both ends of its pipe.
+        if self._closed:
+            raise OSError("handle is closed")
+
     def put(self, obj):
+        self._check_open()
         self._q.put(obj)
 
     def get(self):
+        self._check_open()
         return self._q.get()
+
+    def empty(self):
+        self._check_open()
+        return super().empty()
 
 
 class Queue(_Wrapper):
@@ -121,7 +132,10 @@ class Queue(_Wrapper):
         return self._q.qsize()
 
     def join_thread(self):
-        pass
+        # As multiprocessing's, which asserts it. What this process put is written out
+        # before it leaves (see the class), so there is no feeder to join here.
+        if not self._closed:
+            raise AssertionError(f"Queue {self!r} not closed")
 
     def cancel_join_thread(self):
         # As multiprocessing's: this process leaves without waiting for what it put to be
