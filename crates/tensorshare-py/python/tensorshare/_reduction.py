@@ -296,8 +296,10 @@ def torch_reduction(obj):
     torch = _torch()
     if torch is None:
         return None
-    if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+    if isinstance(obj, (torch.Tensor, torch.UntypedStorage)):
         _refuse_device(obj.device)
+    elif isinstance(obj, torch.TypedStorage):
+        _refuse_device(obj._untyped_storage.device)  # (TypedStorage's own getters warn)
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
         if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg() or obj.is_conj():
             # torch's reduce_tensor keeps neither bit: torch's __reduce_ex__ does, and its
