@@ -48,9 +48,16 @@ def test_a_manager_starts_and_its_proxies_reach_a_child(ctx):
         assert dict(d) == {"a": 1} and list(lst) == ["from child"]
 
 
-def _send_on(conn, sock):
-    conn.send("hello from child")
-    sock.sendall(b"bytes from child")
+def _send_on(conn, sock, what="from child"):
+    conn.send(f"hello {what}")
+    sock.sendall(f"bytes {what}".encode())
+
+
+def _read_what_was_sent(r, a, what):
+    """What ``_send_on`` sent, read from the other ends of its pipe and socket."""
+    assert r.poll(LONG) and r.recv() == f"hello {what}"
+    a.settimeout(LONG)
+    assert a.recv(64) == f"bytes {what}".encode()
 
 
 def test_ends_of_multiprocessings_pipe_and_a_socket_as_process_arguments(ctx):
@@ -59,9 +66,7 @@ def test_ends_of_multiprocessings_pipe_and_a_socket_as_process_arguments(ctx):
     with r, w, a, b:
         p = ctx.Process(target=_send_on, args=(w, b))
         p.start()
-        assert r.poll(LONG) and r.recv() == "hello from child"
-        a.settimeout(LONG)
-        assert a.recv(64) == b"bytes from child"
+        _read_what_was_sent(r, a, "from child")
         reap(p)
     assert p.exitcode == 0
 
@@ -72,8 +77,7 @@ def _send_on_received(q, n_files):
     files = [open(os.devnull, "w") for _ in range(n_files)]  # noqa: SIM115 - closed below
     try:
         conn, sock = q.get(timeout=LONG)
-        conn.send("hello through the queue")
-        sock.sendall(b"bytes through the queue")
+        _send_on(conn, sock, "through the queue")
     finally:
         for f in files:
             f.close()
@@ -87,9 +91,7 @@ def test_ends_of_multiprocessings_pipe_and_a_socket_through_a_queue(ctx):
         p = ctx.Process(target=_send_on_received, args=(q, 64))
         p.start()
         q.put((w, b))
-        assert r.poll(LONG) and r.recv() == "hello through the queue"
-        a.settimeout(LONG)
-        assert a.recv(64) == b"bytes through the queue"
+        _read_what_was_sent(r, a, "through the queue")
         reap(p)
     assert p.exitcode == 0
 
