@@ -234,6 +234,54 @@ def test_a_keyboard_interrupt_in_a_child_whose_parent_lives_is_its_failure(ctx):
     assert pc.processes[0].exitcode == 130
 
 
+class _StartedTogether:
+    """An argument whose pickling, one per process being started, waits until every
+    process's start is pickling it: only processes started at once get past it."""
+
+    def __init__(self, n):
+        self.barrier = threading.Barrier(n, timeout=LONG)
+
+    def __reduce__(self):
+        self.barrier.wait()
+        return int, (0,)
+
+
+@pytest.mark.parametrize("parallel", ["1", "0", None])
+def test_the_fork_server_starts_processes_in_parallel_when_asked_as_torch_does(monkeypatch, parallel):
+    # torch starts fork-server processes from threads at once with TORCH_MP_PARALLEL_START=1
+    # (each child takes its arguments by itself); otherwise one after the other.
+    if parallel is None:
+        monkeypatch.delenv(mp.ENV_VAR_PARALLEL_START, raising=False)
+    else:
+        monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, parallel)
+    q = mp.get_context("forkserver").SimpleQueue()
+    together = _StartedTogether(3)
+    if parallel == "1":
+        mp.start_processes(_put_args, args=(q, together, "", {}, abs), nprocs=3, start_method="forkserver")
+        assert sorted(q.get() for _ in range(3)) == [(i, 0, "", {}, i) for i in range(3)]
+        return
+    # One after the other: the first start waits alone, for nothing.
+    together.barrier = threading.Barrier(3, timeout=0.5)
+    with pytest.raises(TypeError, match="BrokenBarrierError"):
+        mp.start_processes(_put_args, args=(q, together, "", {}, abs), nprocs=3, start_method="forkserver")
+    # The spawn start method never starts in parallel (torch's does not either).
+    monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, "1")
+    together.barrier = threading.Barrier(3, timeout=0.5)
+    with pytest.raises(TypeError, match="BrokenBarrierError"):
+        mp.start_processes(_put_args, args=(q, together, "", {}, abs), nprocs=3, start_method="spawn")
+
+
+def test_processes_started_in_parallel_keep_their_index(monkeypatch):
+    monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, "1")
+    release = mp.get_context("forkserver").Event()
+    with pytest.raises(mp.ProcessRaisedException, match="deliberate failure of process 2") as e:
+        mp.start_processes(_fail_at, args=(2, release), nprocs=4, start_method="forkserver")
+    assert e.value.error_index == 2
+    pc = mp.start_processes(_abort_first, args=(release,), nprocs=3, join=False, start_method="forkserver")
+    with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with signal (SIGABRT|SIGIOT)"):
+        join_all(pc)
+
+
 def test_exception_all(ctx):
     with pytest.raises(
         mp.ProcessRaisedException, match=r"\nValueError: deliberate failure of process (0|1)\n?$"

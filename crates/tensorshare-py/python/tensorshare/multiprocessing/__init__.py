@@ -26,6 +26,7 @@ from .. import _native
 from ._context import ByValueMixin as _ByValueMixin
 from ._context import TensorshareContext, _keep_sigbus_handler_in_torch_workers, get_context
 from .spawn import (
+    ENV_VAR_PARALLEL_START,  # noqa: F401 (torch.multiprocessing has it, not in its __all__)
     ProcessContext,
     ProcessException,
     ProcessExitedException,
@@ -138,7 +139,7 @@ def _prctl_name(option, buf):
 # What torch.multiprocessing has beside the names above, torch's own (the reductions torch's
 # queues use, which importing tensorshare teaches to send arena storages as handles): looked
 # up in torch when first asked for, so that importing this module never imports torch.
-_FROM_TORCH = ("reductions", "init_reductions", "ENV_VAR_PARALLEL_START", "_prctl_pr_set_pdeathsig")
+_FROM_TORCH = ("reductions", "init_reductions", "_prctl_pr_set_pdeathsig")
 
 
 def __getattr__(name):

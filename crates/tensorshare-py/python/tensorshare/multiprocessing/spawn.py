@@ -1,6 +1,7 @@
 """``spawn``, ``start_processes`` and ``ProcessContext``, as ``torch.multiprocessing``'s,
 over tensorshare contexts: ``fn`` may be a lambda or a closure."""
 
+import concurrent.futures
 import ctypes
 import logging
 import multiprocessing
@@ -15,6 +16,9 @@ import warnings
 from ._context import get_context
 
 log = logging.getLogger(__name__)
+
+# The variable torch reads to start fork-server processes in parallel.
+ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 
 __all__ = [
     "ProcessContext",
@@ -174,14 +178,20 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     """Runs ``fn(i, *args)`` for ``i`` in ``range(nprocs)``, each in a process started by
     ``start_method``; ``fn`` may be a lambda or a closure."""
     ctx = get_context(start_method)
-    error_queues = []
-    processes = []
-    for i in range(nprocs):
-        error_queue = ctx.SimpleQueue()
-        process = ctx.Process(target=_wrap, args=(fn, i, args, error_queue), daemon=daemon)
-        process.start()
-        error_queues.append(error_queue)
-        processes.append(process)
+    error_queues = [ctx.SimpleQueue() for _ in range(nprocs)]
+    processes = [
+        ctx.Process(target=_wrap, args=(fn, i, args, error_queues[i]), daemon=daemon) for i in range(nprocs)
+    ]
+    # As torch: with the fork server, TORCH_MP_PARALLEL_START=1 starts the processes from
+    # threads at once, so that one child slow to take its arguments does not hold the others.
+    if start_method == "forkserver" and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
+        log.info("Starting processes in parallel.")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=nprocs) as executor:
+            for started in [executor.submit(p.start) for p in processes]:
+                started.result()
+    else:
+        for process in processes:
+            process.start()
     context = ProcessContext(processes, error_queues)
     if not join:
         return context
