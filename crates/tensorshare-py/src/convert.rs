@@ -279,12 +279,9 @@ fn rebuild(py: Python<'_>, t: Tensor, array: bool) -> PyResult<Py<PyAny>> {
             )))
         }
     };
-    let block = match crate::torch::find_block(py, t.storage().data_ptr())
-        .filter(|b| b.get().storage.ptr_eq(t.storage()))
-    {
-        Some(b) => b,
-        None => {
-            let b = Bound::new(py, Block { storage: t.storage().clone() })?;
+    let block = match crate::torch::block_for(py, t.storage())? {
+        (b, false) => b,
+        (b, true) => {
             crate::torch::register_block(py, &b)?;
             b
         }

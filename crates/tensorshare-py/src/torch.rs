@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyString, PyTuple, PyType, PyWeakrefReference};
 use pyo3::IntoPyObjectExt;
-use tensorshare::{DType, Device, Tensor, TensorKind, Value};
+use tensorshare::{DType, Device, Storage, Tensor, TensorKind, Value};
 
 use crate::descr::{c_function, c_type, Getter, Method};
 use crate::{to_py, Block};
@@ -254,9 +254,19 @@ fn record(
     // Made before the lock is taken: their allocation may run the GC (see `with_registry`).
     let weak_block = if new { Some(PyWeakrefReference::new(block)?.unbind()) } else { None };
     let weak_storage = storage.map(PyWeakrefReference::new).transpose()?.map(Bound::unbind);
+    let len = block.get().storage.len();
     let gone = with_registry(|registry| {
+        // Two live blocks may be at one address: a message naming a slot this process maps
+        // already is mapped there again. The one recorded stays while it lives, unless the
+        // new one is larger (it covers every storage the other does); replaced by one that
+        // went first, the address named no block while the other lived, and a storage over
+        // it was moved out of its shared memory when next sent. `upgrade` of a live object
+        // returns a reference that goes at once, leaving the object as it was.
+        let keep = live(py, &registry.blocks, addr)
+            .and_then(|b| b.cast_into::<Block>().ok())
+            .is_some_and(|b| b.get().storage.len() >= len);
         let replaced = [
-            weak_block.and_then(|w| registry.blocks.insert(addr, w)),
+            weak_block.filter(|_| !keep).and_then(|w| registry.blocks.insert(addr, w)),
             weak_storage.and_then(|w| registry.storages.insert(addr, w)),
         ];
         let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
@@ -280,6 +290,21 @@ fn record(
 /// The live block at `addr`, if there is one.
 pub(crate) fn find_block<'py>(py: Python<'py>, addr: usize) -> Option<Bound<'py, Block>> {
     with_registry(|r| live(py, &r.blocks, addr)).and_then(|b| b.cast_into::<Block>().ok())
+}
+
+/// The block for a received `storage`: the live one over the same memory when there is one
+/// (the same storage, or a message naming a slot this process has a block of: its own
+/// tensor sent back to it, a row a fork worker sent of a dataset shared before the fork),
+/// so that its torch storage is the one this process has, as in torch; else a new one, not
+/// yet recorded (`true`). Two handles see the same memory exactly when their first bytes
+/// are at one address (`Storage::data_ptr`), and the same bytes when they are as long.
+pub(crate) fn block_for<'py>(py: Python<'py>, storage: &Storage) -> PyResult<(Bound<'py, Block>, bool)> {
+    let known = find_block(py, storage.data_ptr())
+        .filter(|b| b.get().storage.ptr_eq(storage) || b.get().storage.len() == storage.len());
+    match known {
+        Some(b) => Ok((b, false)),
+        None => Ok((Bound::new(py, Block { storage: storage.clone() })?, true)),
+    }
 }
 
 /// Records `block` as the live block at its address.
@@ -788,11 +813,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
     };
     let out = match t.device() {
         Device::Cpu if !t.storage().is_empty() => {
-            let addr = t.storage().data_ptr();
-            let (block, new) = match find_block(py, addr).filter(|b| b.get().storage.ptr_eq(t.storage())) {
-                Some(b) => (b, false),
-                None => (Bound::new(py, Block { storage: t.storage().clone() })?, true),
-            };
+            let (block, new) = block_for(py, t.storage())?;
             // The first tensor over a block that it covers whole, flat (what a producer's
             // fresh tensor most often is): one call makes both the block's torch storage and
             // the tensor, as `empty_shared` does, instead of three.

@@ -528,3 +528,55 @@ def test_a_tensor_over_a_file_torch_maps_shared_is_refused_and_stays_in_its_file
     finally:
         reap(p)
     assert p.exitcode == 0
+
+
+def test_a_view_a_fork_child_sends_back_is_over_the_senders_own_storage_and_its_block_stays_known():
+    # A message naming a slot the receiver has a block of (a fork child sending back a view
+    # of a tensor shared before the fork, as torch's DataLoader workers send rows of a
+    # dataset) maps it at the block's address. The new block made for it replaced the
+    # process's record of the block there; once the received tensor went, the storage was in
+    # no known block, and its next send moved it out of the memory its children share.
+    import_torch()
+    out = run_python(
+        """
+        import gc
+        import torch
+        import tensorshare.multiprocessing as mp
+        from tensorshare import _native
+
+        def send_row(t, q):
+            q.put(t[2])
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            # A block sent and kept first: the tensor below follows it in its arena, where
+            # the receiver maps a slot its child sends back at the slot's own address.
+            q.put(torch.zeros(5, 5))
+            kept = q.get(timeout=60)
+            t = torch.zeros(8, 4).share_memory_()
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            ctx = mp.get_context("fork")
+            p = ctx.Process(target=send_row, args=(t, q))
+            p.start()
+            row = q.get(timeout=60)
+            p.join()
+            print("at", row.untyped_storage().data_ptr() == base, row.storage_offset())
+            print("same storage", row.untyped_storage()._cdata == storage._cdata)
+            row.fill_(5.0)
+            del row
+            gc.collect()
+            print("known", _native.find_block(base) is not None)
+            q.put(t)
+            q.get(timeout=60)
+            print("stays", t.untyped_storage().data_ptr() == base, t[2].tolist())
+        """,
+        timeout=LONG,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split("\n")[:4] == [
+        "at True 8",
+        "same storage True",
+        "known True",
+        "stays True [5.0, 5.0, 5.0, 5.0]",
+    ], out.stdout + out.stderr
