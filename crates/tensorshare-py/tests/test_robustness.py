@@ -689,7 +689,7 @@ def test_a_child_of_os_fork_sends_through_torchs_queue_what_it_made_not_its_pare
         tmp.set_sharing_strategy("{strategy}")
         ctx = tmp.get_context("fork")
         q, sq = ctx.SimpleQueue(), ctx.SimpleQueue()
-        a = torch.full((10,), 1.0).share_memory_()
+        a = tensorshare.share_memory_(torch.full((10,), 1.0))
         q.put(a)
         q.get()  # the parent's sharer runs now, and has handed out one descriptor
         r, w = os.pipe()
@@ -698,11 +698,11 @@ def test_a_child_of_os_fork_sends_through_torchs_queue_what_it_made_not_its_pare
         if pid == 0:
             try:
                 os.read(r, 1)
-                sq.put(torch.full((10,), 3.0).share_memory_())
+                sq.put(tensorshare.share_memory_(torch.full((10,), 3.0)))
                 os.read(r2, 1)  # stays until the parent has it
             finally:
                 os._exit(0)
-        d = torch.full((10,), 7.0).share_memory_()
+        d = tensorshare.share_memory_(torch.full((10,), 7.0))
         q.put(d)  # the parent registers its next descriptor
         os.write(w, b"g")
         c = sq.get()
@@ -779,23 +779,72 @@ def test_under_torchs_file_system_strategy_a_shared_tensor_stays_where_numpy_see
     torch = import_torch()
     import torch.multiprocessing as tmp
 
+    import tensorshare
     from tensorshare import _native
 
     before = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
         q = tmp.get_context("fork").SimpleQueue()
-        t = torch.zeros(1024).share_memory_()
+        t = tensorshare.share_memory_(torch.zeros(1024))
         a = t.numpy()
         block = _native.find_block(t.untyped_storage().data_ptr())
-        assert block is not None, "share_memory_() put it in a block"
+        assert block is not None, "tensorshare.share_memory_ put it in a block"
+        assert t.share_memory_() is t and t.is_shared(), "torch's share_memory_() left it there"
         q.put(t)
         got = q.get()
         assert _native.find_block(t.untyped_storage().data_ptr()) is block, "the storage moved"
         a[0] = 3.0
         assert (t[0].item(), got[0].item()) == (3.0, 3.0), "the tensor left the memory numpy sees"
-        others = [torch.full((1024,), 7.0).share_memory_() for _ in range(20)]
+        others = [tensorshare.share_memory_(torch.full((1024,), 7.0)) for _ in range(20)]
         a[1] = 5.0
         assert all(o[1].item() == 7.0 for o in others), "numpy wrote into another tensor"
     finally:
         tmp.set_sharing_strategy(before)
+
+
+def test_under_torchs_file_system_strategy_torchs_queues_work_as_without_tensorshare():
+    # torch's file_system strategy lets a sender exit right after its put, and a Pool's
+    # worker end after each task. With tensorshare imported, share_memory_() put storages
+    # in arenas, which torch's queues send by descriptor, fetched from the sender: the
+    # receiver's get failed (FileNotFoundError) once the sender had gone, and a Pool with
+    # maxtasksperchild=1 lost its results. share_memory_() is torch's under that strategy.
+    import_torch()
+    out = run_python(
+        """
+        import torch
+        import torch.multiprocessing as tmp
+        import tensorshare
+
+        def send_and_exit(q):
+            t = torch.arange(10.0)
+            t.share_memory_()
+            q.put(t)
+            q.close()
+            q.join_thread()  # written out: the child leaves now
+
+        def shared(i):
+            return torch.full((100,), float(i)).share_memory_()
+
+        if __name__ == "__main__":
+            tmp.set_sharing_strategy("file_system")
+            ctx = tmp.get_context("fork")
+            q = ctx.Queue()
+            p = ctx.Process(target=send_and_exit, args=(q,))
+            p.start()
+            p.join()
+            print("after exit", q.get(timeout=60).sum().item())
+            with ctx.Pool(2, maxtasksperchild=1) as pool:
+                print("pool", [t[0].item() for t in pool.map_async(shared, range(6)).get(timeout=60)])
+            # Made with tensorshare, a tensor is in a block under either strategy.
+            t = tensorshare.share_memory_(torch.zeros(4))
+            print("block", tensorshare._native.find_block(t.untyped_storage().data_ptr()) is not None)
+        """,
+        timeout=LONG * 2,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split("\n")[:3] == [
+        "after exit 45.0",
+        "pool [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]",
+        "block True",
+    ], out.stdout + out.stderr

@@ -86,12 +86,25 @@ def _is_ours(storage):
     return block is not None and block.nbytes >= storage.nbytes()
 
 
+def _torch_strategy():
+    """torch's own sharing strategy (``torch.multiprocessing``'s, apart from tensorshare's)."""
+    tmp = sys.modules.get("torch.multiprocessing")
+    return "file_descriptor" if tmp is None else tmp.get_sharing_strategy()
+
+
 def patch_torch(torch):
     """Teaches torch that tensorshare's blocks are shared memory: ``is_shared()`` is True
     for a storage in a block, and ``share_memory_()`` moves a CPU storage into a block (in
     place, as torch's does) instead of into torch's own shared memory, so that a model's
     ``share_memory()`` before forking workers, and sending it later, share one memory. A
     storage torch had already put in its own shared memory stays there.
+
+    Under torch's own ``file_system`` strategy (``torch.multiprocessing.set_sharing_strategy``,
+    which tensorshare's does not set), ``share_memory_()`` is torch's: torch's queues send a
+    storage in a block by descriptor, which needs its sender alive until the receiver has
+    it, and that strategy promises a sender may exit right after its ``put``. tensorshare's
+    own queues send what torch shared with torch's reductions, and ``tensorshare.share_memory_``
+    moves into a block under either strategy.
 
     A torch that cannot move a storage in place (before 2.12, see ``can_move_in_place``)
     keeps its own ``share_memory_()``: importing tensorshare must not make a call that works
@@ -106,10 +119,12 @@ def patch_torch(torch):
         return _is_ours(self) or torch_is_shared(self)
 
     def share_memory_(self, *args, **kwargs):
-        if self.device.type != "cpu" or self.nbytes() == 0 or torch_is_shared(self):
+        on_cpu = self.device.type == "cpu" and self.nbytes() != 0
+        if on_cpu and _is_ours(self):
+            return self
+        if not on_cpu or torch_is_shared(self) or _torch_strategy() == "file_system":
             return torch_share_memory_(self, *args, **kwargs)
-        if not _is_ours(self):
-            move_storage(self)
+        move_storage(self)
         return self
 
     is_shared.__doc__ = torch_is_shared.__doc__
