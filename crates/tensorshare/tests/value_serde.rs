@@ -103,9 +103,29 @@ fn integers_beyond_64_bits_are_refused() {
     assert!(matches!(to_value(&(i64::MAX as u64)).unwrap(), Value::Int(i64::MAX)));
 }
 
+/// The shape of `Value` on the wire up to its `List`, with no limit on nesting: what a
+/// peer that ignores the limit would send.
+#[derive(Serialize)]
+#[allow(dead_code)]
+enum Unlimited {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+    List(Vec<Unlimited>),
+}
+
+#[derive(Serialize)]
+struct Node {
+    next: Option<Box<Node>>,
+}
+
 #[test]
-fn a_value_nested_deeper_than_the_limit_is_a_bad_message_not_a_stack_overflow() {
-    // Built and encoded on a thread with room to spare; the receiver refuses it at the limit.
+fn a_value_nested_deeper_than_the_limit_is_refused_by_sender_and_receiver_not_a_stack_overflow() {
+    // Built on a thread with room to spare for building and dropping them; the sender
+    // refuses at the limit, before it recurses further, and so does the receiver.
     std::thread::Builder::new()
         .stack_size(64 << 20)
         .spawn(|| {
@@ -116,13 +136,166 @@ fn a_value_nested_deeper_than_the_limit_is_a_bad_message_not_a_stack_overflow() 
                 }
                 v
             };
-            let ok: Value = Message::encode(&nest(MAX_DEPTH - 1)).unwrap().decode().unwrap();
+            let deepest = nest(MAX_DEPTH - 1); // MAX_DEPTH levels in all
+            let ok: Value = Message::encode(&deepest).unwrap().decode().unwrap();
             drop(ok);
-            let e = Message::encode(&nest(MAX_DEPTH + 10)).unwrap().decode::<Value>().unwrap_err();
+            assert!(to_value(&deepest).is_ok());
+            // The sender: it used to send these, which every receiver refused, and a value
+            // nested a few thousand levels deep overflowed its stack.
+            for depth in [MAX_DEPTH, 100_000] {
+                let deep = nest(depth);
+                let e = Message::encode(&deep).unwrap_err();
+                assert!(e.to_string().contains(&format!("nested deeper than {MAX_DEPTH} levels")), "{e}");
+            }
+            let mut list = Node { next: None };
+            for _ in 0..100_000 {
+                list = Node { next: Some(Box::new(list)) };
+            }
+            let e = to_value(&list).unwrap_err();
+            assert!(matches!(e, Error::Serialize(_)), "{e}");
+            assert!(e.to_string().contains(&format!("nested deeper than {MAX_DEPTH} levels")), "{e}");
+            // MAX_DEPTH levels: MAX_DEPTH - 1 dicts, and the last one's `None`.
+            let mut short = Node { next: None };
+            for _ in 0..MAX_DEPTH - 2 {
+                short = Node { next: Some(Box::new(short)) };
+            }
+            let v = to_value(&short).unwrap();
+            let _: Value = Message::encode(&v).unwrap().decode().unwrap();
+            let e = to_value(&Node { next: Some(Box::new(short)) }).unwrap_err();
+            assert!(e.to_string().contains(&format!("nested deeper than {MAX_DEPTH} levels")), "{e}");
+            // The receiver, from a peer that ignores the limit.
+            let mut u = Unlimited::Int(0);
+            for _ in 0..MAX_DEPTH + 10 {
+                u = Unlimited::List(vec![u]);
+            }
+            let e = Message::encode(&u).unwrap().decode::<Value>().unwrap_err();
             assert!(matches!(e, Error::InvalidMessage(_)), "{e}");
             assert!(e.to_string().contains(&format!("nested deeper than {MAX_DEPTH} levels")), "{e}");
         })
         .unwrap()
         .join()
         .unwrap();
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(tag = "type")]
+enum Tagged {
+    Batch { images: Tensor, index: i64 },
+    Any { v: Value },
+    Reply { to: tensorshare::Queue<Value> },
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(untagged)]
+enum Untagged {
+    Named { images: Tensor, name: String },
+    Numbered { images: Tensor, number: i64 },
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Header {
+    index: i64,
+    labels: Tensor,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Flat {
+    #[serde(flatten)]
+    header: Header,
+    images: Tensor,
+}
+
+#[test]
+fn tensors_queues_and_values_are_read_inside_tagged_and_untagged_enums_and_flattened_structs() {
+    // serde reads these shapes from a buffer it fills through `deserialize_any`; a tensor
+    // there was "a tensor where any value was expected".
+    let images = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
+    let same = |t: &Tensor| t.storage().ptr_eq(images.storage());
+
+    // As a Python process sends it: {"type": "Batch", "images": tensor, "index": 3}.
+    let sent = Value::dict([
+        ("type", Value::from("Batch")),
+        ("images", Value::Tensor(images.clone())),
+        ("index", Value::Int(3)),
+    ]);
+    match from_value::<Tagged>(sent).unwrap() {
+        Tagged::Batch { images: t, index: 3 } => assert!(same(&t), "the tensor is the one sent, not a copy"),
+        other => panic!("{other:?}"),
+    }
+    // A Value field takes a plain value as it is, and a tensor as a tensor.
+    let any = |v: Value| from_value::<Tagged>(Value::dict([("type", Value::from("Any")), ("v", v)])).unwrap();
+    assert!(matches!(any(Value::Int(3)), Tagged::Any { v: Value::Int(3) }));
+    match any(Value::dict([("a", Value::List(vec![Value::Tensor(images.clone()), Value::None]))])) {
+        Tagged::Any { v } => {
+            let a = v.get("a").and_then(Value::as_slice).unwrap();
+            assert!(same(a[0].as_tensor().unwrap()) && matches!(a[1], Value::None), "{a:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A queue, written by to_value and read back.
+    let q = tensorshare::Queue::<Value>::new().unwrap();
+    q.put(Value::Int(9)).map_err(|e| e.into_parts().1).unwrap();
+    match from_value::<Tagged>(to_value(&Tagged::Reply { to: q.clone() }).unwrap()).unwrap() {
+        Tagged::Reply { to } => assert!(matches!(to.get().unwrap(), Value::Int(9)), "another queue"),
+        other => panic!("{other:?}"),
+    }
+
+    // An untagged enum tries its variants on one buffer: the tensor is read again by the
+    // second after the first failed.
+    let sent = Value::dict([("images", Value::Tensor(images.clone())), ("number", Value::Int(5))]);
+    match from_value::<Untagged>(sent).unwrap() {
+        Untagged::Numbered { images: t, number: 5 } => assert!(same(&t)),
+        other => panic!("{other:?}"),
+    }
+    let back: Untagged =
+        from_value(to_value(&Untagged::Named { images: images.clone(), name: "n".into() }).unwrap()).unwrap();
+    assert!(
+        matches!(back, Untagged::Named { ref images, ref name } if same(images) && name == "n"),
+        "{back:?}"
+    );
+
+    // A flattened struct.
+    let labels = Tensor::from_vec(vec![7i64], &[1]).unwrap();
+    let back: Flat = from_value(
+        to_value(&Flat { header: Header { index: 1, labels: labels.clone() }, images: images.clone() })
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        same(&back.images) && back.header.labels.storage().ptr_eq(labels.storage()) && back.header.index == 1
+    );
+
+    // A tensor where a plain field is read through the buffer is refused, naming it.
+    let e = from_value::<Tagged>(Value::dict([
+        ("type", Value::from("Batch")),
+        ("images", Value::Int(1)),
+        ("index", Value::Int(3)),
+    ]))
+    .unwrap_err();
+    assert!(e.to_string().contains("an int where a tensor was expected"), "{e}");
+    let e = from_value::<Tagged>(Value::dict([
+        ("type", Value::from("Batch")),
+        ("images", Value::Tensor(images.clone())),
+        ("index", Value::Tensor(images.clone())),
+    ]))
+    .unwrap_err();
+    assert!(e.to_string().contains("i64"), "{e}");
+}
+
+#[test]
+fn a_received_map_shaped_like_a_buffered_tensor_is_no_tensor() {
+    // Inside serde's buffer a tensor is a map of one item, a key of the conversion's own
+    // (with a random part) to its place: a peer's map of the token to a number is a map.
+    let images = Tensor::from_vec(vec![1.0f32], &[1]).unwrap();
+    for forged in ["$tensorshare::Value", "$tensorshare::Value#0000000000000000"] {
+        let v = Value::dict([
+            ("type", Value::from("Any")),
+            ("v", Value::dict([(forged, Value::Int(0))])),
+            ("w", Value::Tensor(images.clone())),
+        ]);
+        match from_value::<Tagged>(v).unwrap() {
+            Tagged::Any { v } => assert_eq!(v.get(forged).and_then(Value::as_i64), Some(0), "{v:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -52,15 +52,13 @@ macro_rules! queue_type {
             fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
                 // Inside `value::from_value`, a queue field takes the queue there.
                 if bridge::active() {
-                    let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
-                    return match bridge::take(index) {
-                        Some(Value::$name(q)) => Ok($name { core: q.core, _t: PhantomData }),
-                        Some(other) => Err(wire::de_error(format!(
+                    return match bridge::receive(d)? {
+                        Value::$name(q) => Ok($name { core: q.core, _t: PhantomData }),
+                        other => Err(wire::de_error(format!(
                             "{} where a {} was expected",
                             other.kind(),
                             stringify!($name)
                         ))),
-                        None => Err(wire::de_error("a bridged value taken twice")),
                     };
                 }
                 Ok($name { core: deserialize_core(d)?, _t: PhantomData })

@@ -8,7 +8,9 @@ use crate::{Error, Result};
 /// `value` as a `T`, reading it the way [`to_value`](super::to_value) writes: a struct from
 /// a `Dict` keyed by field names, a `Vec` from a `List` or a `Tuple`, an `Option` from `None`
 /// or the value, an enum from its variant's name (`Str`) or a `Dict` of one item. A tensor
-/// field takes a `Tensor` or an `Array` as it is; a `Value` field takes whatever is there.
+/// field takes a `Tensor` or an `Array` as it is; a `Value` field takes whatever is there;
+/// both (and queue fields) in every shape serde reads, an internally tagged or untagged enum
+/// and a flattened struct included.
 /// A mismatch is [`Error::InvalidMessage`], saying what was expected and what came.
 pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T> {
     let _bridge = bridge::Bridge::open();
@@ -54,7 +56,8 @@ impl Value {
             Value::Dict(_) => "a dict",
             Value::Tensor(_) => "a tensor",
             Value::Array(_) => "an array",
-            Value::Queue(_) | Value::SimpleQueue(_) => "a queue",
+            Value::Queue(_) => "a Queue",
+            Value::SimpleQueue(_) => "a SimpleQueue",
             Value::Object { .. } => "a pickled Python object",
             Value::Connection(_) => "a pipe's end",
         }
@@ -63,10 +66,13 @@ impl Value {
 
 struct ValueDeserializer(Value);
 
-impl<'de> de::Deserializer<'de> for ValueDeserializer {
-    type Error = DeError;
-
-    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
+impl ValueDeserializer {
+    /// The value as what it is to serde. A tensor, an array, a queue, a pickled object or a
+    /// pipe's end has no serde shape: `bridged` (`deserialize_any`, which serde also buffers
+    /// values with, for a tagged or untagged enum or a flattened struct) hands it over as a
+    /// bridge's marker, which a tensor or `Value` field takes back from the buffer; else (a
+    /// field of another type, which cannot take it) it is an error naming both.
+    fn plain<'de, V: Visitor<'de>>(self, visitor: V, bridged: bool) -> R<V::Value> {
         match self.0 {
             Value::None => visitor.visit_unit(),
             Value::Bool(b) => visitor.visit_bool(b),
@@ -84,8 +90,47 @@ impl<'de> de::Deserializer<'de> for ValueDeserializer {
                 Ok(out)
             }
             Value::Dict(items) => visitor.visit_map(Map { items: items.into_iter(), value: None }),
+            other if bridged => match bridge::marker(other) {
+                Ok(marker) => visitor.visit_newtype_struct(marker),
+                Err(other) => {
+                    Err(DeError(format!("{} where {} was expected", kind(&other), Expected(&visitor))))
+                }
+            },
             other => Err(DeError(format!("{} where {} was expected", kind(&other), Expected(&visitor)))),
         }
+    }
+}
+
+/// Deserializer methods for types that read one shape: the value as it is, never a marker.
+macro_rules! plain {
+    ($($method:ident $(($($arg:ident: $ty:ty),*))?;)*) => {$(
+        fn $method<V: Visitor<'de>>(self, $($($arg: $ty,)*)? visitor: V) -> R<V::Value> {
+            $($(let _ = $arg;)*)?
+            self.plain(visitor, false)
+        }
+    )*};
+}
+
+impl<'de> de::Deserializer<'de> for ValueDeserializer {
+    type Error = DeError;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
+        self.plain(visitor, true)
+    }
+
+    fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
+        drop(self);
+        visitor.visit_unit()
+    }
+
+    plain! {
+        deserialize_bool; deserialize_i8; deserialize_i16; deserialize_i32; deserialize_i64;
+        deserialize_i128; deserialize_u8; deserialize_u16; deserialize_u32; deserialize_u64;
+        deserialize_u128; deserialize_f32; deserialize_f64; deserialize_char; deserialize_str;
+        deserialize_string; deserialize_bytes; deserialize_byte_buf; deserialize_unit;
+        deserialize_unit_struct(name: &'static str); deserialize_seq; deserialize_tuple(len: usize);
+        deserialize_tuple_struct(name: &'static str, len: usize); deserialize_map;
+        deserialize_struct(name: &'static str, fields: &'static [&'static str]); deserialize_identifier;
     }
 
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> R<V::Value> {
@@ -123,11 +168,6 @@ impl<'de> de::Deserializer<'de> for ValueDeserializer {
                 kind(&other)
             ))),
         }
-    }
-
-    serde::forward_to_deserialize_any! {
-        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
-        bytes byte_buf unit unit_struct seq tuple tuple_struct map struct identifier ignored_any
     }
 }
 

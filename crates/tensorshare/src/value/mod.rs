@@ -81,7 +81,30 @@ pub enum Value {
 }
 
 thread_local! {
+    /// How deeply the `Value` being read (`DEPTH`) and the one being written (`WRITING`) on
+    /// this thread are nested at the moment.
     static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static WRITING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// One level of a nested value being read or written, counted in `counter` while it lives.
+struct Level(&'static std::thread::LocalKey<std::cell::Cell<usize>>);
+
+impl Level {
+    /// Enters a level: the new depth, counted until the `Level` is dropped.
+    fn enter(counter: &'static std::thread::LocalKey<std::cell::Cell<usize>>) -> (Level, usize) {
+        let depth = counter.with(|c| {
+            c.set(c.get() + 1);
+            c.get()
+        });
+        (Level(counter), depth)
+    }
+}
+
+impl Drop for Level {
+    fn drop(&mut self) {
+        self.0.with(|c| c.set(c.get() - 1));
+    }
 }
 
 impl Serialize for Value {
@@ -90,31 +113,26 @@ impl Serialize for Value {
         if let Some(index) = bridge::put(|| self.clone()) {
             return s.serialize_newtype_struct(bridge::TOKEN, &index);
         }
+        // A value no receiver would read (see `MAX_DEPTH`) is refused by its sender.
+        let (_level, depth) = Level::enter(&WRITING);
+        if depth > MAX_DEPTH {
+            return Err(crate::wire::ser_error(format!(
+                "a value nested deeper than {MAX_DEPTH} levels (no receiver would read it)"
+            )));
+        }
         Value::serialize(self, s)
     }
 }
 
 impl<'de> Deserialize<'de> for Value {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Value, D::Error> {
-        struct Level;
-        impl Drop for Level {
-            fn drop(&mut self) {
-                DEPTH.with(|c| c.set(c.get() - 1));
-            }
-        }
-        let depth = DEPTH.with(|c| {
-            c.set(c.get() + 1);
-            c.get()
-        });
-        let _level = Level;
+        let (_level, depth) = Level::enter(&DEPTH);
         if depth > MAX_DEPTH {
             return Err(crate::wire::de_error(format!("a value nested deeper than {MAX_DEPTH} levels")));
         }
         // Inside `from_value`, a `Value` field takes whatever is there.
         if bridge::active() {
-            let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
-            return bridge::take(index)
-                .ok_or_else(|| serde::de::Error::custom("a bridged value taken twice"));
+            return bridge::receive(d);
         }
         Value::deserialize(d)
     }

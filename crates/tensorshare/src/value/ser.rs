@@ -38,6 +38,35 @@ type R = std::result::Result<Value, SerError>;
 
 struct ValueSerializer;
 
+thread_local! {
+    /// How many levels the value being made is nested at, under its top.
+    static LEVELS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// `value` as the `Value` nested `levels` deeper than the one being made: an error, before
+/// `value` is looked at, where it would be nested deeper than [`MAX_DEPTH`](super::MAX_DEPTH)
+/// (no receiver reads such a message, and a value nested a million levels deep would have
+/// overflowed the stack).
+fn child<T: Serialize + ?Sized>(value: &T, levels: usize) -> R {
+    struct Back(usize);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            LEVELS.with(|l| l.set(self.0));
+        }
+    }
+    let before = LEVELS.with(|l| l.get());
+    let now = before.saturating_add(levels);
+    if now >= super::MAX_DEPTH {
+        return Err(SerError(format!(
+            "a value nested deeper than {} levels (no receiver would read it)",
+            super::MAX_DEPTH
+        )));
+    }
+    LEVELS.with(|l| l.set(now));
+    let _back = Back(before);
+    value.serialize(ValueSerializer)
+}
+
 fn int<T: TryInto<i64> + std::fmt::Display + Copy>(v: T) -> R {
     v.try_into().map(Value::Int).map_err(|_| SerError(format!("the integer {v} does not fit in 64 bits")))
 }
@@ -138,7 +167,7 @@ impl ser::Serializer for ValueSerializer {
         name: &'static str,
         value: &T,
     ) -> R {
-        Ok(variant(name, value.serialize(ValueSerializer)?))
+        Ok(variant(name, child(value, 1)?))
     }
     fn serialize_seq(self, len: Option<usize>) -> std::result::Result<Seq, SerError> {
         Ok(Seq { items: Vec::with_capacity(len.unwrap_or(0).min(4096)), kind: SeqKind::List })
@@ -189,7 +218,8 @@ pub struct Seq {
 
 impl Seq {
     fn push<T: Serialize + ?Sized>(&mut self, value: &T) -> std::result::Result<(), SerError> {
-        self.items.push(value.serialize(ValueSerializer)?);
+        let levels = if matches!(self.kind, SeqKind::Variant(_)) { 2 } else { 1 };
+        self.items.push(child(value, levels)?);
         Ok(())
     }
     fn done(self) -> R {
@@ -265,7 +295,8 @@ impl Map {
         key: &'static str,
         value: &T,
     ) -> std::result::Result<(), SerError> {
-        self.items.push((Value::Str(key.to_owned()), value.serialize(ValueSerializer)?));
+        let levels = if self.variant.is_some() { 2 } else { 1 };
+        self.items.push((Value::Str(key.to_owned()), child(value, levels)?));
         Ok(())
     }
 }
@@ -274,12 +305,12 @@ impl ser::SerializeMap for Map {
     type Ok = Value;
     type Error = SerError;
     fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> std::result::Result<(), SerError> {
-        self.key = Some(key.serialize(ValueSerializer)?);
+        self.key = Some(child(key, 1)?);
         Ok(())
     }
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> std::result::Result<(), SerError> {
         let key = self.key.take().ok_or_else(|| SerError("a map value without its key".into()))?;
-        self.items.push((key, value.serialize(ValueSerializer)?));
+        self.items.push((key, child(value, 1)?));
         Ok(())
     }
     fn end(self) -> R {

@@ -104,11 +104,9 @@ impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tensor, D::Error> {
         // Inside `value::from_value`, a tensor field takes the tensor (or array) there.
         if bridge::active() {
-            let index = d.deserialize_newtype_struct(bridge::TOKEN, bridge::IndexVisitor)?;
-            return match bridge::take(index) {
-                Some(Value::Tensor(t) | Value::Array(t)) => Ok(t),
-                Some(other) => Err(super::de_error(format!("{} where a tensor was expected", other.kind()))),
-                None => Err(super::de_error("a bridged value taken twice")),
+            return match bridge::receive(d)? {
+                Value::Tensor(t) | Value::Array(t) => Ok(t),
+                other => Err(super::de_error(format!("{} where a tensor was expected", other.kind()))),
             };
         }
         let t = match TensorIn::deserialize(d)? {
