@@ -108,7 +108,9 @@ impl Seen {
 }
 
 fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut Seen) -> Result<Value, Refused> {
-    if depth >= tensorshare::value::MAX_DEPTH {
+    // `depth` levels above this one: a value here is at level `depth + 1`, and a pickled
+    // object's tensors one level below it, which must be at most `MAX_DEPTH` too.
+    if depth + 2 > tensorshare::value::MAX_DEPTH {
         return Err(Refused::Whole);
     }
     if obj.is_none() {
@@ -226,7 +228,7 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
         Value::Dict(items) => {
             let dict = PyDict::new(py);
             for (k, v) in items {
-                dict.set_item(from_value(py, k)?, from_value(py, v)?)?;
+                dict.set_item(key_of(py, k)?, from_value(py, v)?)?;
             }
             dict.into_any().unbind()
         }
@@ -251,6 +253,22 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
             helpers(py)?.call_method1("loads", (PyBytes::new(py, &pickle), inner))?.unbind()
         }
     })
+}
+
+/// A received dict key as a Python object. A Python key is hashable: a list (a Rust map
+/// keyed by a `Vec`) arrives as a tuple, inside a tuple too; a dict (a Rust map keyed by a
+/// map, or by an enum variant with content) has no Python form, and is an error that says so.
+fn key_of(py: Python<'_>, key: Value) -> PyResult<Py<PyAny>> {
+    match key {
+        Value::List(items) | Value::Tuple(items) => {
+            let items = items.into_iter().map(|v| key_of(py, v)).collect::<PyResult<Vec<_>>>()?;
+            Ok(PyTuple::new(py, items)?.into_any().unbind())
+        }
+        Value::Dict(_) => Err(PyValueError::new_err(
+            "a dict key that is a dict (a Rust map keyed by a map, a struct or an enum variant              with content) cannot be a key of a Python dict",
+        )),
+        other => from_value(py, other),
+    }
 }
 
 /// A received queue as `tensorshare.multiprocessing`'s class of it.

@@ -118,7 +118,9 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
     if let Some(api) = API.get(py) {
         return Ok(Some(api));
     }
-    if !py.import("sys")?.getattr("modules")?.contains("torch")? {
+    // Not imported, or blocked (`sys.modules["torch"] = None`, which makes its import fail).
+    let modules = py.import("sys")?.getattr("modules")?;
+    if modules.call_method1("get", ("torch",))?.is_none() {
         return Ok(None);
     }
     // Made outside the cell, which is then only set: making it runs Python code (an import,

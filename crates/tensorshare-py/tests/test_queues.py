@@ -855,3 +855,49 @@ def test_an_object_in_two_places_of_a_value_is_one_object_in_the_receiver(ctx):
     a.append(a)
     b = tensorshare.roundtrip(a)
     assert b[1] is b
+
+
+def _put(q, value):
+    q.put(value)
+
+
+def test_a_pickled_object_with_tensors_at_the_deepest_level_allowed_arrives():
+    # A list nested 255 deep around an object pickled with a tensor inside it: the object
+    # was a value at level 256, its tensor at level 257, past what every receiver reads
+    # ("nested deeper than 256 levels"), though the put had gone through.
+    import collections
+
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    t = torch.arange(4.0)
+    for depth in (250, 253, 254, 255, 256, 300):
+        value = collections.OrderedDict(t=t)
+        for _ in range(depth):
+            value = [value]
+        p = ctx.Process(target=_put, args=(q, value))
+        p.start()
+        got = q.get(timeout=LONG)
+        reap(p)
+        for _ in range(depth):
+            (got,) = got
+        assert isinstance(got, collections.OrderedDict) and got["t"].tolist() == [0.0, 1.0, 2.0, 3.0], depth
+
+
+def test_map_keys_from_another_language_that_python_cannot_hash():
+    # A Rust map keyed by a Vec sends list keys; Python's keys are hashable: they arrive as
+    # tuples. A map keyed by a map has no Python form: a ValueError that says so, rather than
+    # a bare "unhashable type".
+    from tensorshare import _native
+
+    data, fds, _ = _native.export({(1, 2): 3})
+    assert bytes(data).endswith(bytes.fromhex("08010702020202040206"))  # {(1, 2): 3}
+    as_list = bytes(data)[:-10] + bytes.fromhex("08010602020202040206")  # {[1, 2]: 3}
+    assert _native.import_(as_list, list(fds)) == {(1, 2): 3}
+    data, fds, _ = _native.export({(("a", 1),): 3})
+    assert bytes(data).endswith(bytes.fromhex("08010701070204016102020206"))  # {(("a", 1),): 3}
+    as_dict = bytes(data)[:-13] + bytes.fromhex("08010701080104016102020206")  # {({"a": 1},): 3}
+    with pytest.raises(ValueError, match="a dict key that is a dict"):
+        _native.import_(as_dict, list(fds))

@@ -11,7 +11,7 @@ import pytest
 
 import tensorshare
 import tensorshare.multiprocessing as mp
-from conftest import import_torch
+from conftest import import_torch, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -102,3 +102,36 @@ def test_a_mismatched_request_fails_the_rust_process_with_a_clear_error():
             proc.wait()
     assert proc.returncode == 1
     assert "InvalidMessage" in err and '"many' in err and "expected u64" in err, err
+
+
+def test_a_batch_from_rust_reaches_a_python_process_without_torch_with_its_bfloat16_as_bits():
+    # Without torch, tensors arrive as numpy arrays, and numpy has no bfloat16: the whole
+    # batch was lost ("data type 'bfloat16' not understood"). Its bits arrive as uint16.
+    out = run_python(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # import torch fails in this process
+        import numpy as np
+        import tensorshare
+        import tensorshare.multiprocessing as mp
+
+        requests, batches = mp.Queue(), mp.Queue()
+        proc = tensorshare.popen([{loader_binary()!r}], (requests, batches))
+        requests.put({{"batches": 1, "batch_size": 2, "seed": 3}})
+        b = batches.get(timeout=60)
+        requests.put(None)
+        assert batches.get(timeout=60) == "done"
+        assert proc.wait(60) == 0
+        print(type(b["images"]).__name__, b["images"].dtype, float(b["images"].flat[0]))
+        print(b["scale_f16"].dtype, b["scale_bf16"].dtype, b["scale_bf16"].tolist())
+        # The bits of bfloat16 0.25 are the high half of float32 0.25's.
+        print((b["scale_bf16"].astype(np.uint32) << 16).view(np.float32).tolist())
+        """,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == [
+        "ndarray float32 3.0",
+        "float16 uint16 [16000, 16000]",
+        "[0.25, 0.25]",
+    ], out.stdout + out.stderr

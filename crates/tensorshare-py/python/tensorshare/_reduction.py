@@ -428,7 +428,9 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
     np = _numpy()
     if np is None:
         import numpy as np
-    dt = np.dtype(dtype)
+    # numpy has no bfloat16: its raw bits, which `.view(ml_dtypes.bfloat16)` reads (else the
+    # whole value would be lost to one field).
+    dt = np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
     if not shape or 0 not in shape:
         if block.nbytes == 0:
             # numpy would take an empty buffer for none and view memory at its address.
