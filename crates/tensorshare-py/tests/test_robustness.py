@@ -848,3 +848,34 @@ def test_under_torchs_file_system_strategy_torchs_queues_work_as_without_tensors
         "pool [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]",
         "block True",
     ], out.stdout + out.stderr
+
+
+def test_popen_hands_a_value_too_large_for_the_environment_and_keeps_the_env_it_is_given():
+    # Linux caps one environment string at 128 KiB: a value of 10,000 file names failed to
+    # start ("Argument list too long", naming the program). And env={} was taken for no env.
+    import subprocess
+
+    import tensorshare
+    import tensorshare.multiprocessing as mp
+
+    child = (
+        "import os, tensorshare; q, paths = tensorshare.inherited(); "
+        "q.put((len(paths), paths[-1], sorted(os.environ)))"
+    )
+    q = mp.Queue()
+    paths = [f"/data/train/{i:08}.jpeg" for i in range(10_000)]
+    for env in (None, {"ONLY": "1"}, {}):
+        proc = tensorshare.popen([sys.executable, "-c", child], (q, paths), env=env)
+        try:
+            n, last, names = q.get(timeout=LONG)
+            assert proc.wait(LONG) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert (n, last) == (10_000, "/data/train/00009999.jpeg")
+        if env is not None:
+            assert set(names) - {"LC_CTYPE"} == set(env), names  # CPython may set LC_CTYPE
+    small = tensorshare.popen([sys.executable, "-c", child], (q, ["one"]), env={}, stdout=subprocess.DEVNULL)
+    assert q.get(timeout=LONG)[:2] == (1, "one")
+    assert small.wait(LONG) == 0

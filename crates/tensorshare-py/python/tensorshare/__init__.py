@@ -119,6 +119,10 @@ def share_memory_(t):
 
 HANDOFF_VAR = "TENSORSHARE_HANDOFF"
 
+# Most bytes of a value handed to a process in its environment as hex (Rust's
+# tensorshare::message::ENV_INLINE_MAX); a larger one's bytes go in a memfd.
+ENV_INLINE_MAX = 16 << 10
+
 
 def popen(args, value, var=HANDOFF_VAR, **kwargs):
     """Starts ``args`` (a Rust program, or any program using tensorshare) with ``value``
@@ -130,13 +134,28 @@ def popen(args, value, var=HANDOFF_VAR, **kwargs):
     import subprocess
 
     data, fds, parcel = _native.export(value)
-    env = dict(kwargs.pop("env", None) or os.environ)
-    env[var] = data.hex() + ":" + ",".join(str(fd) for fd in fds)
-    pass_fds = tuple(kwargs.pop("pass_fds", ())) + tuple(fds)
+    env = kwargs.pop("env", None)
+    env = dict(os.environ if env is None else env)
+    handed = list(fds)
+    file = None
+    if len(data) <= ENV_INLINE_MAX:
+        env[var] = data.hex() + ":" + ",".join(str(fd) for fd in fds)
+    else:
+        # Linux caps one environment string at 128 KiB: the bytes go in a memfd the child
+        # inherits, as Rust's Message::pass_to hands them.
+        file = os.memfd_create("tensorshare-handoff", os.MFD_CLOEXEC)
+        handed.append(file)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(file, view) :]
+        env[var] = f"@{file}:" + ",".join(str(fd) for fd in fds)
+    pass_fds = tuple(kwargs.pop("pass_fds", ())) + tuple(handed)
     try:
         return subprocess.Popen(args, env=env, pass_fds=pass_fds, **kwargs)
     finally:
         del parcel  # the child has its own descriptors now
+        if file is not None:
+            os.close(file)
 
 
 def inherited(var=HANDOFF_VAR):
@@ -148,10 +167,23 @@ def inherited(var=HANDOFF_VAR):
     text = os.environ.pop(var)
     data, _, fds = text.partition(":")
     fds = [int(f) for f in fds.split(",") if f]
+    file = int(data[1:]) if data.startswith("@") else None
     try:
+        if file is not None:
+            size = os.fstat(file).st_size
+            parts, at = [], 0
+            while at < size:  # read at offsets: the description is shared with the parent
+                part = os.pread(file, size - at, at)
+                if not part:
+                    raise OSError(
+                        f"the bytes of a value handed to this process in descriptor {file} were cut"
+                    )
+                parts.append(part)
+                at += len(part)
+            return _native.import_(b"".join(parts), fds)
         return _native.import_(bytes.fromhex(data), fds)
     finally:
-        for fd in fds:
+        for fd in fds if file is None else [*fds, file]:
             # One that is not open was reported by import_ already (it is not closed here
             # twice: import_ closes none).
             with contextlib.suppress(OSError):
