@@ -879,3 +879,22 @@ def test_popen_hands_a_value_too_large_for_the_environment_and_keeps_the_env_it_
     small = tensorshare.popen([sys.executable, "-c", child], (q, ["one"]), env={}, stdout=subprocess.DEVNULL)
     assert q.get(timeout=LONG)[:2] == (1, "one")
     assert small.wait(LONG) == 0
+
+
+def test_a_message_naming_a_storage_it_lacks_says_so_once():
+    # The reason was prefixed twice: "invalid message: invalid message: storage 5 ...".
+    torch = import_torch()
+    import tensorshare
+    from tensorshare import _native
+
+    data, fds, _ = _native.export(tensorshare.empty_shared((2,), torch.float32))
+    data = bytes(data)
+    at = data.index(bytes.fromhex("0900000801"))  # a Tensor, a handle of storage 0, float32
+    bad = data[:at] + bytes.fromhex("090005") + data[at + 3 :]
+    fd = os.dup(fds[0])
+    try:
+        with pytest.raises(_native.InvalidMessage) as e:
+            _native.import_(bad, [fd])
+    finally:
+        os.close(fd)
+    assert str(e.value) == "invalid message: storage 5 is not in the message's table of 1"

@@ -68,7 +68,9 @@ fn child<T: Serialize + ?Sized>(value: &T, levels: usize) -> R {
 }
 
 fn int<T: TryInto<i64> + std::fmt::Display + Copy>(v: T) -> R {
-    v.try_into().map(Value::Int).map_err(|_| SerError(format!("the integer {v} does not fit in 64 bits")))
+    v.try_into().map(Value::Int).map_err(|_| {
+        SerError(format!("the integer {v} is outside the range of i64, which the wire's Int holds (send a larger one as a str, or as bytes)"))
+    })
 }
 
 fn variant(name: &str, content: Value) -> Value {

@@ -53,10 +53,17 @@ thread_local! {
     static REASON: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-/// A serde error that keeps its reason (see `REASON`).
+/// A serde error that keeps its reason (see `REASON`). The reason of an
+/// `Error::InvalidMessage` is its text without its prefix, which the error the caller sees
+/// adds again.
 pub(crate) fn de_error<E: serde::de::Error>(msg: impl std::fmt::Display) -> E {
-    note_reason(&msg);
-    E::custom(msg)
+    let text = msg.to_string();
+    let text = match text.strip_prefix("invalid message: ") {
+        Some(rest) => rest.to_owned(),
+        None => text,
+    };
+    note_reason(&text);
+    E::custom(text)
 }
 
 /// A serde error that keeps its reason (see `REASON`).
