@@ -71,6 +71,7 @@ pub(crate) struct Api {
 struct TensorAccess {
     dtype: Getter,
     layout: Getter,
+    is_nested: Getter,
     requires_grad: Getter,
     is_leaf: Getter,
     shape: Getter,
@@ -93,6 +94,7 @@ impl TensorAccess {
         Ok(TensorAccess {
             dtype: g("dtype")?,
             layout: g("layout")?,
+            is_nested: g("is_nested")?,
             requires_grad: g("requires_grad")?,
             is_leaf: g("is_leaf")?,
             shape: g("shape")?,
@@ -439,7 +441,9 @@ fn handle_kind(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Op
     let a = &api.t;
     let dtype_obj = a.dtype.get(obj)?;
     let Some(k) = api.dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else { return Ok(None) };
-    if !a.layout.get(obj)?.is(api.strided.bind(py)) {
+    // A nested tensor of the strided layout (`torch.nested.nested_tensor`) has no one shape
+    // or strides (torch raises for them): torch's reduction sends it.
+    if !a.layout.get(obj)?.is(api.strided.bind(py)) || a.is_nested.get(obj)?.is_truthy()? {
         return Ok(None);
     }
     // A view with torch's negative bit reads its storage's values negated, which a handle

@@ -580,3 +580,32 @@ def test_a_view_a_fork_child_sends_back_is_over_the_senders_own_storage_and_its_
         "known True",
         "stays True [5.0, 5.0, 5.0, 5.0]",
     ], out.stdout + out.stderr
+
+
+def _unbound(q, r):
+    r.put([x.tolist() for x in q.get().unbind()])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_tensor_of_the_strided_layout_travels():
+    # Its shape cannot be read (torch raises "NestedTensorImpl doesn't support sizes"): every
+    # put, send and process argument holding one failed with that error. torch's reduction
+    # sends it, as torch.multiprocessing does.
+    torch = import_torch()
+    import tensorshare.multiprocessing as mp
+
+    nested = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    want = [[0.0, 1.0], [0.0, 1.0, 2.0]]
+    a, b = mp.Pipe()
+    a.send({"n": nested})
+    assert [x.tolist() for x in b.recv()["n"].unbind()] == want
+    ctx = mp.get_context("spawn")
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_unbound, args=(q, r))
+    p.start()
+    try:
+        q.put(nested)
+        assert r.get(timeout=LONG) == want
+    finally:
+        reap(p)
+    assert p.exitcode == 0
