@@ -901,3 +901,40 @@ def test_map_keys_from_another_language_that_python_cannot_hash():
     as_dict = bytes(data)[:-13] + bytes.fromhex("08010701080104016102020206")  # {({"a": 1},): 3}
     with pytest.raises(ValueError, match="a dict key that is a dict"):
         _native.import_(as_dict, list(fds))
+
+
+def _overwrite_each(q, done):
+    for a in q.get():
+        a[...] = a[::-1].copy() if a.ndim else a
+    done.put(True)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_shared_arrays_of_every_fixed_size_dtype_and_their_views_stay_shared(method):
+    # Only nine dtypes in this machine's byte order, and views with no negative stride,
+    # travelled as handles: every other array of tensorshare.empty_shared_array was copied,
+    # silently, and the receiver's writes were lost. They travel as views of their block.
+    import tensorshare.multiprocessing as mp
+
+    dtypes = ["uint16", "uint64", "complex64", ">f4", "datetime64[s]", "U3", [("a", "<i4"), ("b", "<f8")]]
+    arrays = []
+    for dt in dtypes:
+        a = tensorshare.empty_shared_array(4, dt)
+        a[...] = np.arange(4).astype(a.dtype) if a.dtype.fields is None else [(i, i / 2) for i in range(4)]
+        arrays.append(a)
+    f, g = tensorshare.empty_shared_array(8, "float32"), tensorshare.empty_shared_array(8, "int32")
+    f[...], g[...] = np.arange(8), np.arange(8)
+    arrays += [f[::-1][:4], g[5:1:-1].view(">i4")]  # negative strides, and another byte order
+    before = [a.copy() for a in arrays]
+    ctx = mp.get_context(method)
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_overwrite_each, args=(q, done))
+    p.start()
+    try:
+        q.put(arrays)
+        assert done.get(timeout=LONG)
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    for a, b in zip(arrays, before, strict=True):
+        np.testing.assert_array_equal(a, b[::-1], err_msg=str(a.dtype))

@@ -383,19 +383,45 @@ def install_torch_hook():
         sys.meta_path.insert(0, _TorchHook())
 
 
+def _block_under(a):
+    """The block numpy array ``a`` views (its base, or its base's base, ...), or None."""
+    base = a
+    while base is not None and not isinstance(base, _native.Block):
+        base = getattr(base, "base", None)
+    return base
+
+
+def _handle_geometry(a, block):
+    """``a``'s offset and strides in elements over ``block``, when a handle can say them
+    (every stride, and the offset, whole elements, none negative); else None."""
+    start = a.__array_interface__["data"][0] - block.address
+    item = a.itemsize
+    if start >= 0 and start % item == 0 and all(s >= 0 and s % item == 0 for s in a.strides):
+        return start // item, tuple(s // item for s in a.strides)
+    return None
+
+
+def _travels_as_handle(a):
+    """Whether numpy array ``a`` travels as a handle: a dtype of the wire in this machine's
+    byte order, and, over a block, a geometry a handle can say. A view of a block that a
+    handle cannot say (a negative stride, another byte order or dtype) travels as a view of
+    its block instead (``_array_view_reduction``); an array in no block is copied into one."""
+    if a.dtype.name not in _NUMPY_NAMES or not a.dtype.isnative:
+        return False
+    block = _block_under(a)
+    return block is None or not a.size or _handle_geometry(a, block) is not None
+
+
 def _block_of_array(a):
     """The block ``a`` views, with ``a``'s offset and strides in elements; or a new block
     holding a copy of ``a``: in Fortran order when ``a`` is (as pickle keeps it), else in C
     order."""
     np = _numpy()
-    base = a
-    while base is not None and not isinstance(base, _native.Block):
-        base = getattr(base, "base", None)
-    if isinstance(base, _native.Block) and a.size:
-        start = a.__array_interface__["data"][0] - base.address
-        item = a.itemsize
-        if start >= 0 and start % item == 0 and all(s >= 0 and s % item == 0 for s in a.strides):
-            return base, start // item, tuple(s // item for s in a.strides)
+    base = _block_under(a)
+    if base is not None and a.size:
+        geometry = _handle_geometry(a, base)
+        if geometry is not None:
+            return (base, *geometry)
     block = new_block(a.nbytes)
     order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     if a.nbytes:
@@ -408,17 +434,42 @@ def _block_of_array(a):
     return block, 0, tuple(reversed(strides)) if order == "C" else tuple(strides)
 
 
+def _array_view_reduction(obj):
+    """A numpy array over a block that no handle can say (a dtype the wire lacks: unsigned
+    integers beyond 8 bits, complex, datetimes, strings, records; another byte order; a
+    negative stride): the whole block as a uint8 array, which travels as a handle, and the
+    view to make over it, so that the array is shared, as one made by
+    ``tensorshare.empty_shared_array`` promises, not copied. None for anything else (an
+    array of Python objects, whose references no other process can read, is pickled)."""
+    np = _numpy()
+    if np is None or type(obj) is not np.ndarray or obj.dtype.hasobject or not obj.size:
+        return None
+    block = _block_under(obj)
+    if block is None or block.nbytes == 0:
+        return None
+    whole = np.ndarray((block.nbytes,), np.uint8, buffer=block)
+    start = obj.__array_interface__["data"][0] - block.address
+    return (_rebuild_array_view, (whole, obj.dtype, obj.shape, obj.strides, start, obj.flags.writeable))
+
+
+def _rebuild_array_view(whole, dtype, shape, strides, offset, writeable=True):
+    """A view of a block (``whole``, a uint8 array over all of it), as the sender's array
+    viewed it (numpy checks that it lies within the block)."""
+    np = _numpy()
+    a = np.ndarray(shape, dtype, buffer=whole, offset=offset, strides=strides)
+    if not writeable:
+        a.flags.writeable = False
+    return a
+
+
 def array_parts(obj):
     """What the native side needs to send numpy array ``obj`` as a handle, or None when
-    ``obj`` is no array it can send that way (it is then pickled by value). Torch tensors are
-    handled in Rust (``torch.rs``)."""
+    ``obj`` is no array it can send that way (it is then pickled, as a view of its block
+    when it is in one). Torch tensors are handled in Rust (``torch.rs``)."""
     np = _numpy()
-    if np is not None and type(obj) is np.ndarray:
-        name = _NUMPY_NAMES.get(obj.dtype.name)
-        if name is None or not obj.dtype.isnative:
-            return None
+    if np is not None and type(obj) is np.ndarray and _travels_as_handle(obj):
         block, offset, strides = _block_of_array(obj)
-        return (True, block, name, obj.shape, strides, offset, False, False, "cpu")
+        return (True, block, _NUMPY_NAMES[obj.dtype.name], obj.shape, strides, offset, False, False, "cpu")
     return None
 
 
@@ -534,6 +585,8 @@ class _Pickler(_Base):
 
     def reducer_override(self, obj):
         reduced = torch_reduction(obj)
+        if reduced is None:
+            reduced = _array_view_reduction(obj)
         if reduced is not None:
             return reduced
         if _cloudpickle is None:
@@ -633,9 +686,7 @@ def tensor_parts_cheap(obj):
     if torch is not None and isinstance(obj, torch.Tensor):
         return _native.is_tensor_handle(obj)
     np = _numpy()
-    return (
-        np is not None and type(obj) is np.ndarray and obj.dtype.name in _NUMPY_NAMES and obj.dtype.isnative
-    )
+    return np is not None and type(obj) is np.ndarray and _travels_as_handle(obj)
 
 
 def _rebuild_tensor_v3(storage, *args, **kwargs):
