@@ -181,13 +181,20 @@ impl PyConnection {
     }
 
     /// Receives one message of bytes (sent by `send_bytes`); `OSError` when it is longer
-    /// than `maxlength`.
+    /// than `maxlength`. A value sent by `send` arrives as its pickle, as with
+    /// multiprocessing, whose `send` is `send_bytes` of the pickle (it was an error, and the
+    /// value was lost).
     #[pyo3(signature = (maxlength = None))]
     fn recv_bytes<'py>(&self, py: Python<'py>, maxlength: Option<usize>) -> PyResult<Bound<'py, PyAny>> {
         let got = self.recv(py)?.into_bound(py);
-        let bytes =
-            got.cast::<PyBytes>().map_err(|_| PyOSError::new_err("the message received is not bytes"))?;
-        if maxlength.is_some_and(|m| bytes.as_bytes().len() > m) {
+        let got = match got.cast::<PyBytes>() {
+            Ok(_) => got,
+            Err(_) => {
+                let pickler = py.import("multiprocessing.reduction")?.getattr("ForkingPickler")?;
+                pickler.call_method1("dumps", (got,))?.call_method0("tobytes")?
+            }
+        };
+        if maxlength.is_some_and(|m| got.len().is_ok_and(|n| n > m)) {
             return Err(PyOSError::new_err("bad message length"));
         }
         Ok(got)

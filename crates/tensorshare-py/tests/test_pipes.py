@@ -149,3 +149,22 @@ def test_bytes_like_objects_and_recv_bytes_into_as_multiprocessing(ctx):
         a.recv_bytes_into(bytearray(2), -1)
     with pytest.raises(ValueError, match="offset too large"):
         a.recv_bytes_into(bytearray(2), 3)
+
+
+def test_recv_bytes_of_a_value_sent_by_send_gives_its_pickle_as_multiprocessing_does():
+    # multiprocessing's send is send_bytes of the value's pickle, so recv_bytes gives the
+    # pickle; here it raised "the message received is not bytes", and the value was lost.
+    import pickle
+
+    a, b = mp.Pipe()
+    a.send({"k": [1, 2]})
+    a.send("next")
+    got = b.recv_bytes()
+    assert isinstance(got, bytes) and pickle.loads(got) == {"k": [1, 2]}
+    assert b.recv() == "next"
+    a.send((3, 4))
+    buf = bytearray(256)
+    n = b.recv_bytes_into(buf)
+    assert pickle.loads(bytes(buf[:n])) == (3, 4)
+    a.send(b"raw")
+    assert b.recv_bytes() == b"raw"
