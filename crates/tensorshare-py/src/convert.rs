@@ -108,9 +108,9 @@ impl Seen {
 }
 
 fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut Seen) -> Result<Value, Refused> {
-    // `depth` levels above this one: a value here is at level `depth + 1`, and a pickled
-    // object's tensors one level below it, which must be at most `MAX_DEPTH` too.
-    if depth + 2 > tensorshare::value::MAX_DEPTH {
+    // `depth` levels above this one: a value here is at level `depth + 1`, at most
+    // `MAX_DEPTH`; a pickled object's tensors are one level below it (see `pickled_at`).
+    if depth + 1 > tensorshare::value::MAX_DEPTH {
         return Err(Refused::Whole);
     }
     if obj.is_none() {
@@ -124,7 +124,7 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
             return Ok(Value::Int(i));
         }
         seen.once(obj)?;
-        return Ok(pickled(py, obj)?);
+        return pickled_at(py, obj, depth);
     }
     if obj.is_exact_instance_of::<PyFloat>() {
         return Ok(Value::Float(obj.extract()?));
@@ -134,7 +134,7 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
         // it) has no UTF-8 form for the wire's string: pickled, as multiprocessing sends it.
         return Ok(match obj.extract::<String>() {
             Ok(s) => Value::Str(s),
-            Err(_) => pickled(py, obj)?,
+            Err(_) => pickled_at(py, obj, depth)?,
         });
     }
     if obj.is_exact_instance_of::<PyBytes>() {
@@ -170,6 +170,16 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
         return Ok(v);
     }
     seen.once(obj)?;
+    pickled_at(py, obj, depth)
+}
+
+/// `obj` pickled as an `Object` `depth` levels down: the tensors beside its pickle are one
+/// level below it, so one at the deepest level is refused (the caller pickles a value
+/// further up, whole).
+fn pickled_at(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, Refused> {
+    if depth + 2 > tensorshare::value::MAX_DEPTH {
+        return Err(Refused::Whole);
+    }
     Ok(pickled(py, obj)?)
 }
 
@@ -265,7 +275,8 @@ fn key_of(py: Python<'_>, key: Value) -> PyResult<Py<PyAny>> {
             Ok(PyTuple::new(py, items)?.into_any().unbind())
         }
         Value::Dict(_) => Err(PyValueError::new_err(
-            "a dict key that is a dict (a Rust map keyed by a map, a struct or an enum variant              with content) cannot be a key of a Python dict",
+            "a dict key that is a dict (a Rust map keyed by a map, a struct or an enum variant \
+             with content) cannot be a key of a Python dict",
         )),
         other => from_value(py, other),
     }

@@ -268,11 +268,17 @@ fn record(
         // returns a reference that goes at once, leaving the object as it was.
         let keep = live(py, &registry.blocks, addr)
             .and_then(|b| b.cast_into::<Block>().ok())
-            .is_some_and(|b| b.get().storage.len() >= len);
-        let replaced = [
-            weak_block.filter(|_| !keep).and_then(|w| registry.blocks.insert(addr, w)),
-            weak_storage.and_then(|w| registry.storages.insert(addr, w)),
-        ];
+            .is_some_and(|b| !b.is(block) && b.get().storage.len() >= len);
+        // A block not recorded has its torch storage not recorded either: the address's
+        // storage stays the recorded block's. What is not recorded goes after the lock.
+        let replaced = if keep {
+            [weak_block, weak_storage]
+        } else {
+            [
+                weak_block.and_then(|w| registry.blocks.insert(addr, w)),
+                weak_storage.and_then(|w| registry.storages.insert(addr, w)),
+            ]
+        };
         let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
         let total = registry.blocks.len() + registry.storages.len();
         if total > 2 * registry.swept_at.max(SWEEP_FROM / 2) {

@@ -938,3 +938,21 @@ def test_shared_arrays_of_every_fixed_size_dtype_and_their_views_stay_shared(met
     assert p.exitcode == 0
     for a, b in zip(arrays, before, strict=True):
         np.testing.assert_array_equal(a, b[::-1], err_msg=str(a.dtype))
+
+
+def test_a_list_at_the_deepest_level_allowed_travels_as_lists():
+    # 256 levels, the most a receiver reads: lists all the way, not a pickle (a Rust reader
+    # gets nested lists); one level more is pickled whole.
+    from tensorshare import _native
+
+    def nest(levels):
+        v = 0
+        for _ in range(levels - 1):
+            v = [v]
+        return v
+
+    data, _, _ = _native.export(nest(256))
+    assert bytes(data).count(b"\x06\x01") == 255 and b"\x0d" not in bytes(data)
+    assert _native.import_(bytes(data), []) == nest(256)
+    data, _, _ = _native.export(nest(257))
+    assert bytes(data).count(b"\x06\x01") < 256 and _native.import_(bytes(data), []) == nest(257)

@@ -115,7 +115,8 @@ fn batch(index: u64, batch_size: usize, seed: u64) -> Result<Batch> {
 fn main() -> Result<()> {
     tensorshare::init();
     // SAFETY: tensorshare.popen passed these descriptors to this process for this message,
-    // and nothing else here owns them; the variable is read once.
+    // and nothing else here owns them; the variable is read once, while this process has one
+    // thread (`init` starts none), so nothing reads the environment as it is changed.
     let handoff = unsafe { Message::from_env("TENSORSHARE_HANDOFF") }?;
     let (requests, batches): (Queue<Value>, Queue<Value>) = from_value(handoff.decode()?)?;
     loop {

@@ -104,13 +104,20 @@ impl Message {
         let text = if self.bytes.len() <= ENV_INLINE_MAX {
             Message::text(&self.bytes, &fds)
         } else {
-            let file = rustix::fs::memfd_create("tensorshare-handoff", rustix::fs::MemfdFlags::CLOEXEC)
-                .map_err(|e| {
-                    Error::io("make a memfd for a value handed to a process", std::io::Error::from(e))
-                })?;
+            let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+            let file = rustix::fs::memfd_create("tensorshare-handoff", flags).map_err(|e| {
+                Error::io("make a memfd for a value handed to a process", std::io::Error::from(e))
+            })?;
             std::fs::File::from(file.try_clone().map_err(|e| Error::io("dup a memfd", e))?)
                 .write_all(&self.bytes)
                 .map_err(|e| Error::io("write a value handed to a process", e))?;
+            // Sealed: every child started from `cmd` reads the same bytes, whatever one does.
+            let seals = rustix::fs::SealFlags::WRITE
+                | rustix::fs::SealFlags::SHRINK
+                | rustix::fs::SealFlags::GROW
+                | rustix::fs::SealFlags::SEAL;
+            rustix::fs::fcntl_add_seals(&file, seals)
+                .map_err(|e| Error::io("seal a value handed to a process", std::io::Error::from(e)))?;
             let text = format!("@{}:{}", file.as_raw_fd(), Message::fd_list(&fds));
             fds.push(file);
             text
@@ -218,15 +225,20 @@ impl Message {
         // SAFETY: the caller promises these descriptors were inherited for this message and
         // are owned by nothing else here; each was checked open above.
         let fds: Vec<OwnedFd> = raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
-        for fd in &fds {
+        // SAFETY: as the message's descriptors: the caller promises the bytes' memfd was
+        // inherited for this message and is owned by nothing else here; it was checked open
+        // above, and named once. Adopted with them, so that an error below closes it too.
+        let file = in_file.map(|n| unsafe { OwnedFd::from_raw_fd(n) });
+        for fd in fds.iter().chain(file.as_ref()) {
             rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC)
                 .map_err(|e| Error::InvalidMessage(format!("{var}: descriptor {}: {e}", fd.as_raw_fd())))?;
         }
-        let bytes = match in_file {
-            // SAFETY: as the message's: the caller promises it was inherited for this message
-            // and is owned by nothing else here; it was checked open above.
-            Some(n) => read_handed_bytes(unsafe { OwnedFd::from_raw_fd(n) })
-                .map_err(|e| Error::InvalidMessage(format!("{var}: the bytes in descriptor {n}: {e}")))?,
+        let bytes = match file {
+            Some(file) => {
+                let n = file.as_raw_fd();
+                read_handed_bytes(file)
+                    .map_err(|e| Error::InvalidMessage(format!("{var}: the bytes in descriptor {n}: {e}")))?
+            }
             None => bytes,
         };
         Ok(Message { bytes, fds })

@@ -112,11 +112,13 @@ fn malformed_handoffs_are_errors() {
         let var = format!("{VAR}_BAD_{i}");
         std::env::set_var(&var, text);
         // SAFETY: every case is refused before any descriptor is adopted: the text names
-        // none, names one that is not open, or names one twice.
+        // none, names one that is not open, or names one twice. The other tests' threads
+        // touch the environment only through std (`Command` reads it under std's lock, which
+        // `from_env`'s removal takes too).
         let e = unsafe { Message::from_env(&var) }.unwrap_err();
         assert!(matches!(e, Error::InvalidMessage(_)) && e.to_string().contains(says), "{text:?}: {e}");
     }
-    // SAFETY: the variable is not set, so nothing is adopted.
+    // SAFETY: the variable is not set, so nothing is adopted or removed.
     let e = unsafe { Message::from_env("TENSORSHARE_TEST_HANDOFF_UNSET") }.unwrap_err();
     assert!(e.to_string().contains("TENSORSHARE_TEST_HANDOFF_UNSET"), "{e}");
 }

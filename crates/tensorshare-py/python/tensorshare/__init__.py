@@ -138,19 +138,24 @@ def popen(args, value, var=HANDOFF_VAR, **kwargs):
     env = dict(os.environ if env is None else env)
     handed = list(fds)
     file = None
-    if len(data) <= ENV_INLINE_MAX:
-        env[var] = data.hex() + ":" + ",".join(str(fd) for fd in fds)
-    else:
-        # Linux caps one environment string at 128 KiB: the bytes go in a memfd the child
-        # inherits, as Rust's Message::pass_to hands them.
-        file = os.memfd_create("tensorshare-handoff", os.MFD_CLOEXEC)
-        handed.append(file)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(file, view) :]
-        env[var] = f"@{file}:" + ",".join(str(fd) for fd in fds)
-    pass_fds = tuple(kwargs.pop("pass_fds", ())) + tuple(handed)
     try:
+        if len(data) <= ENV_INLINE_MAX:
+            env[var] = data.hex() + ":" + ",".join(str(fd) for fd in fds)
+        else:
+            # Linux caps one environment string at 128 KiB: the bytes go in a memfd the
+            # child inherits, as Rust's Message::pass_to hands them, sealed so that what
+            # the child reads is what was written.
+            import fcntl
+
+            file = os.memfd_create("tensorshare-handoff", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            handed.append(file)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(file, view) :]
+            seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(file, fcntl.F_ADD_SEALS, seals)
+            env[var] = f"@{file}:" + ",".join(str(fd) for fd in fds)
+        pass_fds = tuple(kwargs.pop("pass_fds", ())) + tuple(handed)
         return subprocess.Popen(args, env=env, pass_fds=pass_fds, **kwargs)
     finally:
         del parcel  # the child has its own descriptors now
@@ -167,9 +172,10 @@ def inherited(var=HANDOFF_VAR):
     text = os.environ.pop(var)
     data, _, fds = text.partition(":")
     fds = [int(f) for f in fds.split(",") if f]
-    file = int(data[1:]) if data.startswith("@") else None
+    file = None
     try:
-        if file is not None:
+        if data.startswith("@"):
+            file = int(data[1:])
             size = os.fstat(file).st_size
             parts, at = [], 0
             while at < size:  # read at offsets: the description is shared with the parent

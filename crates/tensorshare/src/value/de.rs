@@ -33,6 +33,17 @@ impl de::Error for DeError {
     fn custom<T: std::fmt::Display>(msg: T) -> DeError {
         DeError(msg.to_string())
     }
+
+    /// A newtype where something else was expected is, while a conversion is open, a bridged
+    /// value that serde buffered (see `bridge::marker`): said as what it is.
+    fn invalid_type(unexpected: de::Unexpected<'_>, expected: &dyn de::Expected) -> DeError {
+        if unexpected == de::Unexpected::NewtypeStruct && bridge::active() {
+            return DeError(format!(
+                "a tensor, an array, a queue, a pickled object or a pipe's end where {expected} was expected"
+            ));
+        }
+        DeError(format!("invalid type: {unexpected}, expected {expected}"))
+    }
 }
 
 type R<T> = std::result::Result<T, DeError>;
@@ -245,9 +256,9 @@ impl<'de> de::VariantAccess<'de> for ValueDeserializer {
         seed.deserialize(self)
     }
     fn tuple_variant<V: Visitor<'de>>(self, _len: usize, visitor: V) -> R<V::Value> {
-        de::Deserializer::deserialize_any(self, visitor)
+        self.plain(visitor, false)
     }
     fn struct_variant<V: Visitor<'de>>(self, _fields: &'static [&'static str], visitor: V) -> R<V::Value> {
-        de::Deserializer::deserialize_any(self, visitor)
+        self.plain(visitor, false)
     }
 }
