@@ -412,16 +412,10 @@ def _travels_as_handle(a):
     return block is None or not a.size or _handle_geometry(a, block) is not None
 
 
-def _block_of_array(a):
-    """The block ``a`` views, with ``a``'s offset and strides in elements; or a new block
-    holding a copy of ``a``: in Fortran order when ``a`` is (as pickle keeps it), else in C
-    order."""
+def _copy_into_block(a):
+    """A new block holding a copy of ``a``, with the copy's strides in elements: in Fortran
+    order when ``a`` is (as pickle keeps it), else in C order."""
     np = _numpy()
-    base = _block_under(a)
-    if base is not None and a.size:
-        geometry = _handle_geometry(a, base)
-        if geometry is not None:
-            return (base, *geometry)
     block = new_block(a.nbytes)
     order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     if a.nbytes:
@@ -431,7 +425,7 @@ def _block_of_array(a):
     for n in reversed(a.shape) if order == "C" else a.shape:
         strides.append(step)
         step *= n
-    return block, 0, tuple(reversed(strides)) if order == "C" else tuple(strides)
+    return block, tuple(reversed(strides)) if order == "C" else tuple(strides)
 
 
 def _array_view_reduction(obj):
@@ -467,10 +461,19 @@ def array_parts(obj):
     ``obj`` is no array it can send that way (it is then pickled, as a view of its block
     when it is in one). Torch tensors are handled in Rust (``torch.rs``)."""
     np = _numpy()
-    if np is not None and type(obj) is np.ndarray and _travels_as_handle(obj):
-        block, offset, strides = _block_of_array(obj)
-        return (True, block, _NUMPY_NAMES[obj.dtype.name], obj.shape, strides, offset, False, False, "cpu")
-    return None
+    if np is None or type(obj) is not np.ndarray or obj.dtype.name not in _NUMPY_NAMES:
+        return None
+    if not obj.dtype.isnative:
+        return None
+    block = _block_under(obj)
+    geometry = _handle_geometry(obj, block) if block is not None and obj.size else None
+    if geometry is not None:
+        offset, strides = geometry
+    elif block is not None and obj.size:
+        return None  # a view no handle can say: a view of its block (`_array_view_reduction`)
+    else:
+        (block, strides), offset = _copy_into_block(obj), 0
+    return (True, block, _NUMPY_NAMES[obj.dtype.name], obj.shape, strides, offset, False, False, "cpu")
 
 
 def rebuild(array, block, dtype, shape, strides, offset, requires_grad, parameter, device):
