@@ -94,6 +94,9 @@ fn a_mismatch_says_what_was_expected_and_what_came() {
     assert!(e.to_string().contains("str") || e.to_string().contains("string"), "{e}");
     let e = from_value::<Split>(Value::Int(1)).unwrap_err();
     assert!(e.to_string().contains("where an enum"), "{e}");
+    // What Python pickles (an int of 2**63, which a u64 would hold) says what it may be.
+    let e = from_value::<u64>(Value::Object { pickle: vec![], tensors: vec![] }).unwrap_err();
+    assert!(e.to_string().contains("a Python int outside i64") && e.to_string().contains("u64"), "{e}");
 }
 
 #[test]

@@ -69,7 +69,10 @@ impl Value {
             Value::Array(_) => "an array",
             Value::Queue(_) => "a Queue",
             Value::SimpleQueue(_) => "a SimpleQueue",
-            Value::Object { .. } => "a pickled Python object",
+            Value::Object { .. } => {
+                "a pickled Python object (which Rust cannot read: a Python int outside i64, a set, \
+                 an instance of a class, ...)"
+            }
             Value::Connection(_) => "a pipe's end",
         }
     }
