@@ -859,21 +859,29 @@ def test_popen_hands_a_value_too_large_for_the_environment_and_keeps_the_env_it_
     import tensorshare.multiprocessing as mp
 
     child = (
-        "import os, tensorshare; q, paths = tensorshare.inherited(); "
-        "q.put((len(paths), paths[-1], sorted(os.environ)))"
+        "import os, tensorshare; text = os.environ.get('TENSORSHARE_HANDOFF', ''); "
+        "fd = int(text[1:].split(':')[0]) if text.startswith('@') else None\n"
+        "try:\n    sealed = fd is not None and os.pwrite(fd, b'x', 0) < 0\n"
+        "except PermissionError:\n    sealed = True\n"
+        "q, paths = tensorshare.inherited(); "
+        "q.put((len(paths), paths[-1], sorted(os.environ), sealed))"
     )
     q = mp.Queue()
     paths = [f"/data/train/{i:08}.jpeg" for i in range(10_000)]
     for env in (None, {"ONLY": "1"}, {}):
         proc = tensorshare.popen([sys.executable, "-c", child], (q, paths), env=env)
         try:
-            n, last, names = q.get(timeout=LONG)
+            n, last, names, sealed = q.get(timeout=LONG)
             assert proc.wait(LONG) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        assert (n, last) == (10_000, "/data/train/00009999.jpeg")
+        assert (n, last, sealed) == (
+            10_000,
+            "/data/train/00009999.jpeg",
+            True,
+        )  # sealed: siblings read the same
         if env is not None:
             assert set(names) - {"LC_CTYPE"} == set(env), names  # CPython may set LC_CTYPE
     small = tensorshare.popen([sys.executable, "-c", child], (q, ["one"]), env={}, stdout=subprocess.DEVNULL)

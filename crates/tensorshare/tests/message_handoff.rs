@@ -59,11 +59,17 @@ fn handoff_child_large() {
     if std::env::var_os(LARGE_VAR).is_none() {
         return;
     }
+    // The bytes' memfd is sealed: this child cannot change what its siblings read.
+    let text = std::env::var(LARGE_VAR).unwrap();
+    let n: i32 = text.strip_prefix('@').unwrap().split(':').next().unwrap().parse().unwrap();
+    // SAFETY: descriptor `n` was inherited open and nothing in this process closes it before
+    // `from_env` below adopts it; the borrow ends before that.
+    let written = rustix::io::pwrite(unsafe { std::os::fd::BorrowedFd::borrow_raw(n) }, b"x", 0);
     // SAFETY: as in `handoff_child`.
     let message = unsafe { Message::from_env(LARGE_VAR) }.unwrap();
     let (q, paths): (Queue<Value>, Vec<String>) = from_value(message.decode().unwrap()).unwrap();
     let last = paths.last().cloned().unwrap_or_default();
-    q.put(to_value(&(paths.len(), last)).unwrap()).unwrap();
+    q.put(to_value(&(paths.len(), last, written.is_err())).unwrap()).unwrap();
 }
 
 #[test]
@@ -88,8 +94,9 @@ fn a_large_value_passes_to_a_child_process_in_a_memfd() {
         assert!(cmd.status().unwrap().success());
         assert!(cmd.status().unwrap().success());
         for _ in 0..2 {
-            let got: (usize, String) = from_value(q.get_timeout(Duration::from_secs(30)).unwrap()).unwrap();
-            assert_eq!(got, (10_000, "/data/train/00009999.jpeg".to_string()));
+            let got: (usize, String, bool) =
+                from_value(q.get_timeout(Duration::from_secs(30)).unwrap()).unwrap();
+            assert_eq!(got, (10_000, "/data/train/00009999.jpeg".to_string(), true), "(count, last, sealed)");
         }
     }
 }
