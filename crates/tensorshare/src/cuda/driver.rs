@@ -11,9 +11,12 @@ use crate::shm::Segment;
 use crate::{Error, Result};
 
 /// Environment variable choosing the device layer: unset or `cuda` for the CUDA driver,
-/// `simulated` (two devices) or `simulated:N` for the simulated device, which keeps
-/// "device" memory in memfds so that CUDA sharing can be exercised without a GPU. Workers
-/// inherit it.
+/// `cuda-legacy-ipc` for the driver with legacy IPC memory handles on every device
+/// (cuMemAlloc; the only way to share the memory of a device without VMM or POSIX-fd
+/// handles, and the program's consent to open such handles from messages: the driver does
+/// not check them, so a forged one can crash the receiver), `simulated`
+/// (two devices) or `simulated:N` for the simulated device, which keeps "device" memory in
+/// memfds so that CUDA sharing can be exercised without a GPU. Workers inherit it.
 pub const DRIVER_ENV: &str = "TENSORSHARE_CUDA_DRIVER";
 
 /// A legacy IPC handle (memory or event): 64 opaque bytes.
@@ -102,12 +105,13 @@ pub(crate) fn backend() -> Result<&'static Backend> {
 fn choose() -> Result<Backend> {
     let var = std::env::var(DRIVER_ENV).unwrap_or_default();
     match var.as_str() {
-        "" | "cuda" => Ok(Backend::Real(Real::load()?)),
+        "" | "cuda" => Ok(Backend::Real(Real::load(false)?)),
+        "cuda-legacy-ipc" => Ok(Backend::Real(Real::load(true)?)),
         "simulated" => Ok(Backend::Sim(Sim::new(2))),
         other => match other.strip_prefix("simulated:").and_then(|n| n.parse::<u32>().ok()) {
             Some(n) => Ok(Backend::Sim(Sim::new(n))),
             None => Err(Error::Parse(format!(
-                "{DRIVER_ENV}={other:?}: expected `cuda`, `simulated` or `simulated:N`"
+                "{DRIVER_ENV}={other:?}: expected `cuda`, `cuda-legacy-ipc`, `simulated` or `simulated:N`"
             ))),
         },
     }
@@ -283,6 +287,18 @@ impl Backend {
         match self {
             Backend::Real(r) => r.synchronize(dev),
             Backend::Sim(_) => Ok(()),
+        }
+    }
+
+    pub(crate) fn mem_get_info(&self, dev: u32) -> Result<(u64, u64)> {
+        self.check_device(dev)?;
+        match self {
+            Backend::Real(r) => r.mem_get_info(dev),
+            Backend::Sim(_) => Err(Error::Device(
+                "the simulated device keeps no device-wide memory figures (cuMemGetInfo needs the \
+                 CUDA driver)"
+                    .into(),
+            )),
         }
     }
 

@@ -1,22 +1,20 @@
-//! Interprocess events: [`Event`], and the events that order a consumer's first use of a
-//! received allocation after the producer's work on it.
+//! Interprocess events: [`Event`], and [`EventHandle`], the form in which one travels.
+//!
+//! Messages carry no events: a forged or damaged event handle makes the driver's
+//! cuIpcOpenEventHandle read out of bounds and the receiver die of SIGSEGV (seen on an
+//! H200 with driver 580: one flipped bit of the handle's index field), so no bytes from a
+//! peer are opened as an event unless the program says, with `unsafe`, that it trusts
+//! them. A sender finishes its work on the CUDA storages of a message before it leaves
+//! instead (`finish_for_send`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use super::driver::{backend, IpcBytes};
-// layering: an Event travels in messages, and why a received one is refused must reach the
-// receiver's error, which only the codec can carry through serde (`wire::de_error`).
-use crate::wire::de_error;
 use crate::{Device, Error, Result};
 
-/// Send events per device, reused round-robin. Re-recording an event that a consumer has
-/// not waited on yet only makes that consumer wait for more of the producer's (ordered)
-/// stream, never for less, so the ring needs no bound on messages in flight and no stream
-/// synchronisation when it wraps (torch stops at 1,000 events and synchronises instead).
-const SEND_RING: usize = 32;
 /// Events opened from other processes' handles, kept open for reuse.
 const KEEP_OPEN: usize = 64;
 
@@ -40,7 +38,6 @@ struct Events {
     /// same event.
     by_handle: HashMap<IpcBytes, Weak<EventInner>>,
     recent: VecDeque<Arc<EventInner>>,
-    rings: HashMap<u32, (Vec<Arc<EventInner>>, usize)>,
 }
 
 fn events() -> MutexGuard<'static, Events> {
@@ -80,44 +77,11 @@ fn open(device: u32, handle: &IpcBytes) -> Result<Arc<EventInner>> {
     Ok(ev)
 }
 
-/// Records a send event on this process's stream of `device`; its handle goes in the
-/// message.
-pub(crate) fn record_for_send(device: u32) -> Result<IpcBytes> {
-    let ev = {
-        let mut e = events();
-        let (ring, next) = e.rings.entry(device).or_default();
-        if ring.len() < SEND_RING {
-            drop(e);
-            let ev = create(device)?;
-            let mut e = events();
-            e.rings.entry(device).or_default().0.push(ev.clone());
-            ev
-        } else {
-            let ev = ring[*next % SEND_RING].clone();
-            *next = next.wrapping_add(1);
-            ev
-        }
-    };
-    backend()?.event_record(device, ev.raw)?;
-    Ok(ev.handle)
-}
-
-/// Makes this process's stream of `device` wait for a received send event.
-///
-/// A handle that cannot be opened is skipped: it belongs to a sender that has exited (its
-/// queued work finished or was torn down with it, so nothing is left to wait for), or it is
-/// forged (and a peer that can forge it can write the memory anyway). A driver that fails
-/// to *wait* is an error.
-pub(crate) fn wait_received(device: u32, handle: &IpcBytes) -> Result<()> {
-    let Ok(ev) = open(device, handle) else { return Ok(()) };
-    backend()?.event_wait(device, ev.raw)
-}
-
 /// A CUDA event that other processes can wait on (torch's `Event(interprocess=True)`).
 ///
 /// Work is queued on tensorshare's stream of the event's device ([`super::raw_stream`]):
 /// [`Event::record`] marks the point reached so far; another process that received the
-/// event (it travels in messages and arguments as a 64-byte handle) can
+/// event's [`EventHandle`] (it travels in messages and arguments) and opened it can
 /// [`Event::wait`] (its stream waits, the host does not) or [`Event::synchronize`].
 #[derive(Clone)]
 pub struct Event {
@@ -174,30 +138,57 @@ impl Event {
         self.inner.handle
     }
 
+    /// The event's device and handle, to send to another process, which opens it with
+    /// [`EventHandle::open`].
+    pub fn handle(&self) -> EventHandle {
+        EventHandle { device: self.inner.device, handle: self.inner.handle.to_vec() }
+    }
+
     /// The event named by a handle from [`Event::ipc_handle`] (torch's
-    /// `Event.from_ipc_handle`): the same event when this process made it.
-    pub fn from_ipc_handle(device: Device, handle: [u8; 64]) -> Result<Event> {
+    /// `Event.from_ipc_handle`): the same event when this process made or opened it.
+    ///
+    /// # Safety
+    /// Unless this process made or has open the event it names, `handle` must be what
+    /// [`Event::ipc_handle`] returned in another process for an event on `device`, unchanged:
+    /// the CUDA driver does not check a handle's contents, and a forged or damaged one
+    /// makes it read out of bounds (the process dies of SIGSEGV, or worse).
+    pub unsafe fn from_ipc_handle(device: Device, handle: [u8; 64]) -> Result<Event> {
         Ok(Event { inner: open(cuda_ordinal(device)?, &handle)? })
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct EventRepr {
+/// An [`Event`] as it travels: its device and 64-byte handle, inert until opened. A
+/// message can carry one from any peer, so opening it is `unsafe`: see
+/// [`EventHandle::open`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventHandle {
     device: u32,
     handle: Vec<u8>,
 }
 
-impl Serialize for Event {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        EventRepr { device: self.inner.device, handle: self.inner.handle.to_vec() }.serialize(s)
+impl EventHandle {
+    /// The device of the event it names.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device)
     }
-}
 
-impl<'de> Deserialize<'de> for Event {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Event, D::Error> {
-        let r = EventRepr::deserialize(d)?;
+    /// Opens the event: the same [`Event`] when this process made or has it open.
+    ///
+    /// # Safety
+    /// The handle must come from [`Event::handle`] in a process the caller trusts, unchanged
+    /// (as [`Event::from_ipc_handle`] requires): the driver reads out of bounds on a forged
+    /// or damaged one.
+    ///
+    /// # Errors
+    /// [`Error::InvalidMessage`] for a handle that is not 64 bytes or names an event this
+    /// process has on another device; [`Error::Device`] when the driver refuses it (its
+    /// process has exited, for one).
+    pub unsafe fn open(&self) -> Result<Event> {
         let handle: IpcBytes =
-            r.handle.try_into().map_err(|_| de_error("an event handle is not 64 bytes"))?;
-        Event::from_ipc_handle(Device::Cuda(r.device), handle).map_err(de_error)
+            self.handle.as_slice().try_into().map_err(|_| {
+                Error::invalid(format!("an event handle of {} bytes, not 64", self.handle.len()))
+            })?;
+        // SAFETY: the caller's contract is from_ipc_handle's.
+        unsafe { Event::from_ipc_handle(Device::Cuda(self.device), handle) }
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! A tensor on `Device::Cuda(i)` lives in one device allocation of its own. Sending it puts
 //! the allocation's shareable handle in the message: with CUDA VMM a POSIX file descriptor
-//! (it rides SCM_RIGHTS next to the memfds of host tensors), or the legacy 64-byte IPC
-//! memory handle on devices without VMM. The receiver maps each allocation once (the
+//! (it rides SCM_RIGHTS next to the memfds of host tensors), or, on devices without VMM and
+//! only where the program opts in (`TENSORSHARE_CUDA_DRIVER=cuda-legacy-ipc`), the legacy
+//! 64-byte IPC memory handle, which the driver opens from the message's bytes unchecked. The receiver maps each allocation once (the
 //! receive cache knows it by its creator's id), so views, offsets and tensors of several
 //! dtypes over one allocation arrive as views of one storage; a received tensor can be sent
 //! on to a third process.
@@ -15,11 +16,13 @@
 //! [`empty_cache`] gives the free allocations back to the driver.
 //!
 //! **Ordering.** tensorshare queues its copies on one stream per device per process
-//! ([`raw_stream`]). Sending a CUDA tensor records an interprocess event on the sender's
-//! stream; the receiver's stream waits on it before the tensor is handed out, so the
-//! receiver's work on that stream sees everything the sender queued before the send.
-//! Work queued on other streams must be ordered with this one by the program (or with an
-//! [`Event`]). Device-side work (`fill`, `zeros_on`) is asynchronous: a process that writes
+//! ([`raw_stream`]). Sending a CUDA tensor first waits for the work queued on the sender's
+//! stream of its device (once per message and device), so the receiver sees everything the
+//! sender queued there before the send, on whatever stream it works. No CUDA event travels
+//! in the message: the driver opens an event handle without checking it, and a forged one
+//! crashes the receiver (an [`Event`] travels as an [`EventHandle`], opened with `unsafe`).
+//! Work queued on other streams must be ordered with tensorshare's by the program (or
+//! with an [`Event`]). Device-side work (`fill`, `zeros_on`) is asynchronous: a process that writes
 //! a tensor and then exits without sending it should [`synchronize`] first. Copies to the
 //! host return when they are done.
 //!
@@ -49,8 +52,7 @@ pub(crate) use alloc::{AllocId, Allocation};
 pub use cache::{collect, empty_cache, memory_stats, MemoryStats};
 pub use driver::DRIVER_ENV;
 pub(crate) use driver::{Export, IpcBytes};
-pub use event::Event;
-pub(crate) use event::{record_for_send, wait_received};
+pub use event::{Event, EventHandle};
 pub use pinned::pinned_bytes;
 pub(crate) use pinned::register as register_host;
 
@@ -80,6 +82,21 @@ pub fn is_initialized() -> bool {
 /// Blocks until the work tensorshare queued on `device` is done.
 pub fn synchronize(device: Device) -> Result<()> {
     driver::backend()?.synchronize(ordinal(device)?)
+}
+
+/// The free and total memory of `device` in bytes, for the whole device (every process's
+/// allocations and contexts count), as the driver's `cuMemGetInfo` reports them: torch's
+/// `torch.cuda.mem_get_info`. [`memory_stats`] counts this process's own allocations. The
+/// simulated device has no such figures: an [`Error::Device`] there.
+pub fn mem_get_info(device: Device) -> Result<(u64, u64)> {
+    driver::backend()?.mem_get_info(ordinal(device)?)
+}
+
+/// Waits for the work queued on tensorshare's stream of `device`, before a message carrying
+/// CUDA storages of that device leaves: a receiver then sees everything this process wrote
+/// to them, whatever stream it uses. (No event travels instead: see `event`.)
+pub(crate) fn finish_for_send(device: u32) -> Result<()> {
+    driver::backend()?.synchronize(device)
 }
 
 /// tensorshare's stream on `device` (a `CUstream`, 0 on the simulated device), for

@@ -203,9 +203,6 @@ fn resolve_storages(
     // Slots this process does not hold yet, one per entry (a message may name a slot
     // twice).
     new.clear();
-    // Send events to wait on, once each (a message has one per device).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-    let mut events = Vec::new();
     {
         let cache = cache::cache();
         for (i, d) in descs.iter().enumerate() {
@@ -233,7 +230,7 @@ fn resolve_storages(
     }
     for (i, d) in descs.iter().enumerate() {
         if let StorageDesc::Device(d) = d {
-            out[i] = Some(resolve_device(d, fds, &mut events)?);
+            out[i] = Some(resolve_device(d, fds)?);
         }
     }
     // By segment, the entries naming one slot side by side.
@@ -272,10 +269,6 @@ fn resolve_storages(
             out[at] = Some(storage);
         }
     }
-    #[cfg(feature = "cuda")]
-    for (device, handle) in events {
-        crate::cuda::wait_received(device, &handle)?;
-    }
     out.into_iter()
         .map(|s| s.ok_or_else(|| Error::invalid("a storage of the message was not resolved")))
         .collect()
@@ -306,11 +299,7 @@ fn existing(storage: Storage, len: usize) -> Result<Storage> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn resolve_device(
-    d: &super::header::DeviceDesc,
-    _fds: &mut [Option<OwnedFd>],
-    _events: &mut Vec<()>,
-) -> Result<Storage> {
+fn resolve_device(d: &super::header::DeviceDesc, _fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
     Err(Error::Device(format!(
         "a tensor on cuda:{} arrived, but this build has no CUDA support (feature `cuda`)",
         d.device
@@ -318,14 +307,10 @@ fn resolve_device(
 }
 
 /// Resolves a device allocation: the storage this process already has for it, or a new
-/// one (the creator's own allocation coming back, or an import). Either way the sender's
-/// event joins `events`, which this process's stream waits on before the value is built.
+/// one (the creator's own allocation coming back, or an import). The sender's work on it
+/// was done before the message left (see `cuda::finish_for_send`): nothing to wait for.
 #[cfg(feature = "cuda")]
-fn resolve_device(
-    d: &super::header::DeviceDesc,
-    fds: &mut [Option<OwnedFd>],
-    events: &mut Vec<(u32, crate::cuda::IpcBytes)>,
-) -> Result<Storage> {
+fn resolve_device(d: &super::header::DeviceDesc, fds: &mut [Option<OwnedFd>]) -> Result<Storage> {
     use super::header::DeviceMemory;
     use crate::cuda::{AllocId, Allocation, Export, IpcBytes};
     let mut take = |i: u32| {
@@ -339,13 +324,6 @@ fn resolve_device(
         DeviceMemory::Ipc(h) => Export::Ipc(
             IpcBytes::try_from(h.as_slice())
                 .map_err(|_| Error::invalid("an IPC memory handle is not 64 bytes"))?,
-        ),
-    };
-    let event = match &d.event {
-        None => None,
-        Some(h) => Some(
-            IpcBytes::try_from(h.as_slice())
-                .map_err(|_| Error::invalid("an event handle is not 64 bytes"))?,
         ),
     };
     let size = usize::try_from(d.size).map_err(|_| Error::invalid("a device allocation's size overflows"))?;
@@ -376,11 +354,6 @@ fn resolve_device(
             }
         }
     };
-    if let Some(h) = event {
-        if !events.contains(&(d.device, h)) {
-            events.push((d.device, h));
-        }
-    }
     Ok(storage)
 }
 

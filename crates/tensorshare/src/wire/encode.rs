@@ -31,10 +31,10 @@ pub(super) struct EncodeCtx {
     slots: Vec<u32>,
     storages: Vec<StorageDesc>,
     storage_index: FastMap<*const crate::storage::Inner, u32>,
-    /// The send event recorded for this message, per device: one record covers every
-    /// CUDA storage of the message on that device.
+    /// The devices whose work this message's sender has waited for: once per device covers
+    /// every CUDA storage of the message on it.
     #[cfg(feature = "cuda")]
-    events: std::collections::HashMap<u32, crate::cuda::IpcBytes>,
+    synced: Vec<u32>,
 }
 
 /// Most entries a kept map or list may have room for: a message of a batch of small
@@ -70,7 +70,7 @@ impl EncodeCtx {
         self.slots.clear();
         self.storages.clear();
         #[cfg(feature = "cuda")]
-        self.events.clear();
+        self.synced.clear();
     }
 
     /// The context of the message being serialized on this thread, if one is.
@@ -297,14 +297,10 @@ fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize)
         crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
     };
     let lease = push_fd(ctx, FdSource::Fd(lease));
-    let event = match ctx.events.get(&alloc.device) {
-        Some(e) => *e,
-        None => {
-            let e = crate::cuda::record_for_send(alloc.device)?;
-            ctx.events.insert(alloc.device, e);
-            e
-        }
-    };
+    if !ctx.synced.contains(&alloc.device) {
+        crate::cuda::finish_for_send(alloc.device)?;
+        ctx.synced.push(alloc.device);
+    }
     Ok(StorageDesc::Device(DeviceDesc {
         device: alloc.device,
         id: (alloc.id.origin, alloc.id.serial),
@@ -312,6 +308,5 @@ fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize)
         len: len as u64,
         memory,
         lease,
-        event: Some(event.to_vec()),
     }))
 }

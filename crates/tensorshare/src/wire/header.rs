@@ -58,8 +58,6 @@ pub(super) struct DeviceDesc {
     pub(super) memory: DeviceMemory,
     /// Index of the lease descriptor.
     pub(super) lease: u32,
-    /// Handle of the event recorded on the sender's stream at send.
-    pub(super) event: Option<Vec<u8>>,
 }
 
 #[derive(Serialize, Deserialize, Debug)]

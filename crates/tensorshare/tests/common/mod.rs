@@ -33,8 +33,14 @@ pub fn repeats() -> usize {
     std::env::var("TENSORSHARE_TEST_REPEATS").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
 }
 
-fn open_fds() -> usize {
+/// This process's open descriptors.
+pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// This process's memory mappings (lines of /proc/self/maps).
+pub fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0)
 }
 
 /// torch's leak checker, made strict: built at the start of a test body (in a helper

@@ -30,7 +30,9 @@ impl Real {
         self.state(dev)?;
         let h = sys::CUipcEventHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };
         let mut ev: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the driver validates the handle and writes one event.
+        // SAFETY: writes one event. The driver does not check what the handle's bytes say (a
+        // forged index makes it read out of bounds); the only way here is the `unsafe`
+        // `Event::from_ipc_handle`, whose caller vouches that the handle is a real one.
         check(unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) }, "cuIpcOpenEventHandle")?;
         Ok(ev as u64)
     }

@@ -63,6 +63,13 @@ impl Real {
                 // SAFETY: the driver made a new descriptor that nothing else owns.
                 Ok(Export::Fd(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) })))
             }
+            Mem::Legacy { .. } if !self.legacy_ipc => Err(Error::Device(format!(
+                "cuda:{dev} has no CUDA VMM with POSIX-fd handles, so its memory could travel only as \
+                 a legacy IPC handle, which the receiver's driver opens without checking it (a forged \
+                 one can crash the receiver); set {}=cuda-legacy-ipc in every process to share it \
+                 anyway",
+                crate::cuda::DRIVER_ENV
+            ))),
             Mem::Legacy { ptr, imported: false } => {
                 // SAFETY: CUipcMemHandle is 64 plain bytes; zero is a valid value to overwrite.
                 let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
@@ -98,10 +105,20 @@ impl Real {
     }
 
     pub(crate) fn import_ipc(&self, dev: u32, bytes: &IpcBytes, size: usize) -> Result<Mapped> {
+        if !self.legacy_ipc {
+            return Err(Error::invalid(format!(
+                "a legacy CUDA IPC memory handle arrived, and this process does not open them: the \
+                 driver opens one without checking it (set {}=cuda-legacy-ipc to accept them)",
+                crate::cuda::DRIVER_ENV
+            )));
+        }
         self.state(dev)?;
         let h = sys::CUipcMemHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: h is a 64-byte handle; the driver validates it and writes one pointer.
+        // SAFETY: h is 64 bytes and the driver writes one pointer. It does not check what the
+        // bytes say (a forged handle can make it read out of bounds); this runs only in a
+        // process whose environment opted in to legacy handles (`legacy_ipc`, checked above),
+        // as the crate's documentation of that setting says.
         check(
             unsafe {
                 sys::cuIpcOpenMemHandle_v2(

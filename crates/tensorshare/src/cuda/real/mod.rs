@@ -39,6 +39,11 @@ unsafe impl Sync for DeviceState {}
 
 pub(crate) struct Real {
     devices: Vec<OnceLock<std::result::Result<DeviceState, String>>>,
+    /// Legacy IPC memory handles are made and opened (`cuda-legacy-ipc` in the driver
+    /// variable), and used on every device, VMM or not. Otherwise a device without VMM
+    /// allocates with cuMemAlloc but shares nothing: the driver opens a legacy handle from a
+    /// message's bytes without checking them, so that takes the program's consent.
+    pub(super) legacy_ipc: bool,
 }
 
 fn check(r: sys::CUresult, what: &str) -> Result<()> {
@@ -58,8 +63,9 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
 }
 
 impl Real {
-    /// Loads the driver and initialises it, or says why it cannot.
-    pub(crate) fn load() -> Result<Real> {
+    /// Loads the driver and initialises it, or says why it cannot. `legacy_ipc`: allocate
+    /// with cuMemAlloc and share legacy IPC handles on every device (see the field).
+    pub(crate) fn load(legacy_ipc: bool) -> Result<Real> {
         // SAFETY: probing for the library has no precondition; it is what keeps every later
         // call from panicking inside cudarc when no driver is installed.
         if !unsafe { sys::is_culib_present() } {
@@ -82,7 +88,7 @@ impl Real {
         let mut n: c_int = 0;
         // SAFETY: writes one int.
         check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
-        Ok(Real { devices: (0..n.max(0)).map(|_| OnceLock::new()).collect() })
+        Ok(Real { devices: (0..n.max(0)).map(|_| OnceLock::new()).collect(), legacy_ipc })
     }
 
     pub(crate) fn device_count(&self) -> u32 {
@@ -96,7 +102,7 @@ impl Real {
                 self.devices.len()
             ))
         })?;
-        let st = cell.get_or_init(|| open_device(dev).map_err(|e| e.to_string()));
+        let st = cell.get_or_init(|| open_device(dev, self.legacy_ipc).map_err(|e| e.to_string()));
         let st = st.as_ref().map_err(|e| Error::Device(e.clone()))?;
         // SAFETY: the context was retained in `open_device` and is never released.
         check(unsafe { sys::cuCtxSetCurrent(st.ctx) }, "cuCtxSetCurrent")?;
@@ -107,6 +113,15 @@ impl Real {
         Ok(self.state(dev)?.stream as u64)
     }
 
+    /// The device's free and total memory in bytes, device-wide.
+    pub(crate) fn mem_get_info(&self, dev: u32) -> Result<(u64, u64)> {
+        self.state(dev)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two usizes, for the device of the current context (set by `state`).
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+        Ok((free as u64, total as u64))
+    }
+
     pub(crate) fn synchronize(&self, dev: u32) -> Result<()> {
         let st = self.state(dev)?;
         // SAFETY: the stream belongs to this process's context.
@@ -114,7 +129,7 @@ impl Real {
     }
 }
 
-fn open_device(dev: u32) -> Result<DeviceState> {
+fn open_device(dev: u32, legacy_ipc: bool) -> Result<DeviceState> {
     let mut d: sys::CUdevice = 0;
     // SAFETY: writes one device handle.
     check(unsafe { sys::cuDeviceGet(&mut d, dev as c_int) }, "cuDeviceGet")?;
@@ -131,7 +146,8 @@ fn open_device(dev: u32) -> Result<DeviceState> {
         }
         v
     };
-    let vmm = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED) != 0
+    let vmm = !legacy_ipc
+        && attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED) != 0
         && attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
             != 0;
     let granularity = if vmm {
