@@ -97,15 +97,19 @@ pub fn run(w: &Workload, strategy: SharingStrategy) -> Result<Figures, String> {
             &arg::<String>(a, 2, "fresh|same")?,
             tensorshare::Device::Cuda(0),
         ),
+        #[cfg(feature = "cuda")]
+        "cuda_first_use" => {
+            cuda_first_use(arg(a, 0, "SIZE")?, arg(a, 1, "ROUNDS")?, &arg::<String>(a, 2, "fresh|same")?)
+        }
         "stream" => stream(arg(a, 0, "SIZE")?, arg(a, 1, "COUNT")?, strategy),
         "batch" => batch(arg(a, 0, "SIZE")?, arg(a, 1, "K")?, arg(a, 2, "COUNT")?, strategy),
         "spawn" => spawn_workers(arg(a, 0, "N")?),
         other => Err(format!(
             "unknown workload {other:?}; expected pingpong, stream, batch, spawn{}",
             if cfg!(feature = "cuda") {
-                " or cuda_pingpong"
+                ", cuda_pingpong or cuda_first_use"
             } else {
-                " (cuda_pingpong needs --features cuda)"
+                " (cuda_pingpong and cuda_first_use need --features cuda)"
             }
         )),
     }
@@ -180,6 +184,59 @@ fn pingpong(size: usize, rounds: usize, mode: &str, device: tensorshare::Device)
     lat.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     Ok(Figures(vec![("median_us", us(lat[lat.len() / 2])), ("p99_us", us(lat[lat.len() * 99 / 100]))]))
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine, so a time
+/// taken by the sender can be subtracted from one taken by the receiver.
+#[cfg(feature = "cuda")]
+fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// The consumer of `cuda_first_use`: takes each tensor, reads its first element to the host
+/// (its first use: the copy waits for the sender's work on the tensor), checks it, and
+/// answers with the nanoseconds from the sender's `put` to that read.
+#[cfg(feature = "cuda")]
+fn first_use(_rank: usize, (to, from, rounds): (Queue<(Tensor, u64)>, Queue<u64>, usize)) {
+    for _ in 0..rounds {
+        let (t, sent) = to.get().expect("first use: get");
+        let v = t.narrow(0, 0, 1).and_then(|h| h.to_vec::<f32>()).expect("first use: read");
+        let took = monotonic_ns().saturating_sub(sent);
+        assert_eq!(v, [1.0], "the consumer read the tensor before the sender's fill was done");
+        drop(t);
+        from.put(took).expect("first use: put");
+    }
+}
+
+/// The time from a CUDA tensor's `put` to its first use by the consumer (a read of one
+/// element to the host, after the sender's fill), one tensor in flight at a time; `fresh`
+/// makes and fills a new tensor for every round, without synchronising before the `put`.
+#[cfg(feature = "cuda")]
+fn cuda_first_use(size: usize, rounds: usize, mode: &str) -> Result<Figures, String> {
+    let same_mode = match mode {
+        "same" => true,
+        "fresh" => false,
+        m => return Err(format!("mode must be fresh or same, not {m:?}")),
+    };
+    let device = tensorshare::Device::Cuda(0);
+    let n = (size / 4).max(1);
+    let to: Queue<(Tensor, u64)> = Queue::new().map_err(err)?;
+    let from: Queue<u64> = Queue::new().map_err(err)?;
+    let mut ctx = spawn(first_use, (to.clone(), from.clone(), rounds + 50), 1).map_err(err)?;
+    let same = fresh_on(device, n, 1.0)?;
+    let mut lat = Vec::with_capacity(rounds);
+    for i in 0..rounds + 50 {
+        let t = if same_mode { same.clone() } else { fresh_on(device, n, 1.0)? };
+        to.put((t, monotonic_ns())).map_err(err)?;
+        let took = from.get().map_err(err)?;
+        if i >= 50 {
+            lat.push(took as f64 / 1e3);
+        }
+    }
+    ctx.join(None).map_err(err)?;
+    lat.sort_by(f64::total_cmp);
+    Ok(Figures(vec![("median_us", lat[lat.len() / 2]), ("p99_us", lat[lat.len() * 99 / 100])]))
 }
 
 /// Sums f32 with eight lanes, so the sum runs at memory speed.

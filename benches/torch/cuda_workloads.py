@@ -1,0 +1,129 @@
+"""CUDA tensors through torch.multiprocessing's queues, one JSON line per workload, with the
+keys `tensorshare bench --json` prints for its `cuda_pingpong` and `cuda_first_use`:
+
+    python cuda_workloads.py cuda_pingpong SIZE ROUNDS fresh|same
+    python cuda_workloads.py cuda_first_use SIZE ROUNDS fresh|same
+
+cuda_pingpong: the parent puts a CUDA tensor of SIZE bytes, a child gets it and puts it back,
+the parent gets it; half the round trip. cuda_first_use: the parent puts a tensor with the
+time of its put (CLOCK_MONOTONIC, one clock for all processes), a child gets it, reads its
+first element to the host (the read waits for the parent's fill), checks it and answers with
+the time from the put; one tensor in flight. `fresh` makes and fills a new tensor every round
+without synchronising first; `same` sends one tensor over and over. A workload torch refuses
+prints its error instead of figures.
+"""
+
+import json
+import sys
+import time
+
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing as mp
+
+WARMUP = 50
+
+
+def echo(qin, qout, n):
+    for _ in range(n):
+        t = qin.get()
+        try:
+            # A queue pickles in its feeder thread, where an error is only printed: try first,
+            # so that a refusal reaches the parent instead of leaving it waiting.
+            ForkingPickler.dumps(t)
+        except Exception as e:
+            qout.put(f"{type(e).__name__}: {e}")
+            break
+        qout.put(t)
+        del t
+    qin.get()  # stay alive until the parent is done with what it got back
+
+
+def first_use(qin, qout, n):
+    for _ in range(n):
+        t, sent = qin.get()
+        v = t[0].item()
+        took = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - sent
+        if v != 1.0:
+            raise AssertionError("the consumer read the tensor before the sender's fill was done")
+        del t
+        qout.put(took)
+
+
+def tensors(n, mode):
+    same = torch.ones(n, device="cuda")
+    torch.cuda.synchronize()
+    return lambda: same if mode == "same" else torch.full((n,), 1.0, device="cuda")
+
+
+def pingpong(size, rounds, mode):
+    ctx = mp.get_context("spawn")
+    qin, qout = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo, args=(qin, qout, rounds + WARMUP))
+    p.start()
+    make = tensors(max(1, size // 4), mode)
+    one_way = []
+    try:
+        for i in range(rounds + WARMUP):
+            start = time.perf_counter()
+            t = make()
+            qin.put(t)
+            got = qout.get()
+            if isinstance(got, str):
+                raise RuntimeError(f"the child could not send the tensor back: {got}")
+            if i >= WARMUP:
+                one_way.append((time.perf_counter() - start) / 2)
+            del got, t
+    finally:
+        qin.put(None)
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"the echoing child exited with {p.exitcode}")
+    one_way.sort()
+    return {"median_us": one_way[len(one_way) // 2] * 1e6, "p99_us": one_way[len(one_way) * 99 // 100] * 1e6}
+
+
+def first_use_workload(size, rounds, mode):
+    ctx = mp.get_context("spawn")
+    qin, qout = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=first_use, args=(qin, qout, rounds + WARMUP))
+    p.start()
+    make = tensors(max(1, size // 4), mode)
+    lat = []
+    try:
+        for i in range(rounds + WARMUP):
+            t = make()
+            qin.put((t, time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+            took = qout.get(timeout=120)
+            if i >= WARMUP:
+                lat.append(took / 1e3)
+            del t  # torch: the sender keeps a CUDA tensor alive until the receiver is done
+    finally:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"the consumer exited with {p.exitcode}")
+    lat.sort()
+    return {"median_us": lat[len(lat) // 2], "p99_us": lat[len(lat) * 99 // 100]}
+
+
+def main():
+    name, args = sys.argv[1], sys.argv[2:]
+    size, rounds, mode = int(args[0]), int(args[1]), args[2]
+    run = {"cuda_pingpong": pingpong, "cuda_first_use": first_use_workload}[name]
+    line = {"system": "torch", "workload": name, "args": args, "strategy": mp.get_sharing_strategy()}
+    try:
+        line.update(run(size, rounds, mode))
+    except Exception as e:  # a workload torch refuses: say so instead of figures
+        line["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
