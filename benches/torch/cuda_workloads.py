@@ -14,6 +14,7 @@ prints its error instead of figures.
 """
 
 import json
+import queue
 import sys
 import time
 
@@ -98,7 +99,10 @@ def first_use_workload(size, rounds, mode):
         for i in range(rounds + WARMUP):
             t = make()
             qin.put((t, time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
-            took = qout.get(timeout=120)
+            try:
+                took = qout.get(timeout=120)
+            except queue.Empty:
+                raise RuntimeError(f"the consumer did not answer (exit code {p.exitcode})") from None
             if i >= WARMUP:
                 lat.append(took / 1e3)
             del t  # torch: the sender keeps a CUDA tensor alive until the receiver is done

@@ -163,6 +163,9 @@ fn pingpong(size: usize, rounds: usize, mode: &str, device: tensorshare::Device)
         "fresh" => false,
         m => return Err(format!("mode must be fresh or same, not {m:?}")),
     };
+    if rounds == 0 {
+        return Err("ROUNDS must be at least 1".into());
+    }
     let n = (size / 4).max(1);
     let to: Queue<Tensor> = Queue::new().map_err(err)?;
     let from: Queue<Tensor> = Queue::new().map_err(err)?;
@@ -219,6 +222,9 @@ fn cuda_first_use(size: usize, rounds: usize, mode: &str) -> Result<Figures, Str
         "fresh" => false,
         m => return Err(format!("mode must be fresh or same, not {m:?}")),
     };
+    if rounds == 0 {
+        return Err("ROUNDS must be at least 1".into());
+    }
     let device = tensorshare::Device::Cuda(0);
     let n = (size / 4).max(1);
     let to: Queue<(Tensor, u64)> = Queue::new().map_err(err)?;
@@ -229,7 +235,8 @@ fn cuda_first_use(size: usize, rounds: usize, mode: &str) -> Result<Figures, Str
     for i in 0..rounds + 50 {
         let t = if same_mode { same.clone() } else { fresh_on(device, n, 1.0)? };
         to.put((t, monotonic_ns())).map_err(err)?;
-        let took = from.get().map_err(err)?;
+        // Bounded: a consumer that failed (its check panics) never answers.
+        let took = from.get_timeout(Duration::from_secs(60)).map_err(|e| format!("the consumer: {e}"))?;
         if i >= 50 {
             lat.push(took as f64 / 1e3);
         }

@@ -55,7 +55,9 @@ pub struct Message {
 
 impl Message {
     /// `value` as a message. Tensors become handles to shared memory (a private storage is
-    /// moved into shared memory first, in place, as sending it on a queue would).
+    /// moved into shared memory first, in place, as sending it on a queue would). For CUDA
+    /// tensors this waits for the work queued on their devices' tensorshare streams: a
+    /// receiver sees what was written up to the encoding, not up to the message's delivery.
     pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Message> {
         let msg = crate::wire::encode(value)?;
         let fds = msg

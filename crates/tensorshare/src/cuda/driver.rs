@@ -120,6 +120,7 @@ fn choose() -> Result<Backend> {
 impl Backend {
     pub(crate) fn name(&self) -> &'static str {
         match self {
+            Backend::Real(r) if r.legacy_ipc => "cuda-legacy-ipc",
             Backend::Real(_) => "cuda",
             Backend::Sim(_) => "simulated",
         }
@@ -318,10 +319,16 @@ impl Backend {
         }
     }
 
-    pub(crate) fn event_open(&self, dev: u32, handle: &IpcBytes) -> Result<u64> {
+    /// Opens an event from its handle.
+    ///
+    /// # Safety
+    /// On the driver, `handle` must be one that cuIpcGetEventHandle gave for an event of
+    /// `dev` (see `Event::from_ipc_handle`): the driver does not check it.
+    pub(crate) unsafe fn event_open(&self, dev: u32, handle: &IpcBytes) -> Result<u64> {
         self.check_device(dev)?;
         match self {
-            Backend::Real(r) => r.event_open(dev, handle),
+            // SAFETY: the caller's contract.
+            Backend::Real(r) => unsafe { r.event_open(dev, handle) },
             Backend::Sim(s) => s.event_open(handle),
         }
     }

@@ -56,7 +56,11 @@ fn create(device: u32) -> Result<Arc<EventInner>> {
     Ok(ev)
 }
 
-fn open(device: u32, handle: &IpcBytes) -> Result<Arc<EventInner>> {
+/// The event a handle names: the live one of this process that has it, or the driver's.
+///
+/// # Safety
+/// As [`Event::from_ipc_handle`].
+unsafe fn open(device: u32, handle: &IpcBytes) -> Result<Arc<EventInner>> {
     let mut e = events();
     if let Some(ev) = e.by_handle.get(handle).and_then(Weak::upgrade) {
         if ev.device != device {
@@ -67,7 +71,9 @@ fn open(device: u32, handle: &IpcBytes) -> Result<Arc<EventInner>> {
         }
         return Ok(ev);
     }
-    let raw = backend()?.event_open(device, handle)?;
+    // SAFETY: no live event of this process has the handle, so the caller's contract says
+    // it is a real handle of another process's event.
+    let raw = unsafe { backend()?.event_open(device, handle)? };
     let ev = Arc::new(EventInner { device, raw, handle: *handle });
     e.by_handle.insert(*handle, Arc::downgrade(&ev));
     if e.recent.len() == KEEP_OPEN {
@@ -145,15 +151,17 @@ impl Event {
     }
 
     /// The event named by a handle from [`Event::ipc_handle`] (torch's
-    /// `Event.from_ipc_handle`): the same event when this process made or opened it.
+    /// `Event.from_ipc_handle`): the same event when an [`Event`] of this process has it.
     ///
     /// # Safety
-    /// Unless this process made or has open the event it names, `handle` must be what
-    /// [`Event::ipc_handle`] returned in another process for an event on `device`, unchanged:
-    /// the CUDA driver does not check a handle's contents, and a forged or damaged one
-    /// makes it read out of bounds (the process dies of SIGSEGV, or worse).
+    /// `handle` must be what [`Event::ipc_handle`] returned, unchanged, for an event on
+    /// `device` that is still alive: in this process (an [`Event`] of it not yet dropped,
+    /// by any thread) or in another. The CUDA driver does not check a handle's contents,
+    /// and a forged or damaged one makes it read out of bounds (the process dies of
+    /// SIGSEGV, or worse).
     pub unsafe fn from_ipc_handle(device: Device, handle: [u8; 64]) -> Result<Event> {
-        Ok(Event { inner: open(cuda_ordinal(device)?, &handle)? })
+        // SAFETY: the caller's contract is open's.
+        Ok(Event { inner: unsafe { open(cuda_ordinal(device)?, &handle)? } })
     }
 }
 
@@ -175,9 +183,10 @@ impl EventHandle {
     /// Opens the event: the same [`Event`] when this process made or has it open.
     ///
     /// # Safety
-    /// The handle must come from [`Event::handle`] in a process the caller trusts, unchanged
-    /// (as [`Event::from_ipc_handle`] requires): the driver reads out of bounds on a forged
-    /// or damaged one.
+    /// As [`Event::from_ipc_handle`]: the handle must come from [`Event::handle`] of an event
+    /// still alive (in this process or another), unchanged. Whoever could write the message
+    /// it came in must be trusted with that: the driver reads out of bounds on a forged or
+    /// damaged handle.
     ///
     /// # Errors
     /// [`Error::InvalidMessage`] for a handle that is not 64 bytes or names an event this

@@ -2,9 +2,11 @@
 //!
 //! A tensor on `Device::Cuda(i)` lives in one device allocation of its own. Sending it puts
 //! the allocation's shareable handle in the message: with CUDA VMM a POSIX file descriptor
-//! (it rides SCM_RIGHTS next to the memfds of host tensors), or, on devices without VMM and
-//! only where the program opts in (`TENSORSHARE_CUDA_DRIVER=cuda-legacy-ipc`), the legacy
-//! 64-byte IPC memory handle, which the driver opens from the message's bytes unchecked. The receiver maps each allocation once (the
+//! (it rides SCM_RIGHTS next to the memfds of host tensors). Only where the program opts in
+//! (`TENSORSHARE_CUDA_DRIVER=cuda-legacy-ipc`, then on every device; the only way for a
+//! device without VMM) it is the legacy 64-byte IPC memory handle, which the receiver's
+//! driver opens from the message's bytes: a process with that setting trusts its peers not
+//! to forge one. The receiver maps each allocation once (the
 //! receive cache knows it by its creator's id), so views, offsets and tensors of several
 //! dtypes over one allocation arrive as views of one storage; a received tensor can be sent
 //! on to a third process.
@@ -69,7 +71,8 @@ pub fn device_count() -> Result<u32> {
     Ok(driver::backend()?.device_count())
 }
 
-/// `"cuda"` or `"simulated"`: which device layer this process runs on.
+/// `"cuda"`, `"cuda-legacy-ipc"` (the driver, sharing legacy IPC handles: see
+/// [`DRIVER_ENV`]) or `"simulated"`: which device layer this process runs on.
 pub fn driver_name() -> Result<&'static str> {
     Ok(driver::backend()?.name())
 }

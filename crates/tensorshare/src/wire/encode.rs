@@ -31,10 +31,11 @@ pub(super) struct EncodeCtx {
     slots: Vec<u32>,
     storages: Vec<StorageDesc>,
     storage_index: FastMap<*const crate::storage::Inner, u32>,
-    /// The devices whose work this message's sender has waited for: once per device covers
-    /// every CUDA storage of the message on it.
+    /// The devices of the message's CUDA storages: once the whole value is serialized, the
+    /// sender waits for its work on each (`cuda::finish_for_send`), so a write queued while
+    /// the value was being serialized is waited for too.
     #[cfg(feature = "cuda")]
-    synced: Vec<u32>,
+    devices: Vec<u32>,
 }
 
 /// Most entries a kept map or list may have room for: a message of a batch of small
@@ -70,7 +71,7 @@ impl EncodeCtx {
         self.slots.clear();
         self.storages.clear();
         #[cfg(feature = "cuda")]
-        self.synced.clear();
+        self.devices.clear();
     }
 
     /// The context of the message being serialized on this thread, if one is.
@@ -140,6 +141,12 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
 /// The rest of a message once its value is serialized: the send holds of its arenas, its
 /// header, and its lane form when it has one.
 fn finish_message(ctx: &mut EncodeCtx, payload: Vec<u8>, lane_max: Option<usize>) -> Result<Encoded> {
+    // What the sender queued on the devices of the message's CUDA storages is done before
+    // the message exists: its receivers read it without waiting on anything of ours.
+    #[cfg(feature = "cuda")]
+    for &device in &ctx.devices {
+        crate::cuda::finish_for_send(device)?;
+    }
     // The slots, arena by arena.
     ctx.named.sort_unstable();
     // Only arenas' descriptors, none of them a large storage's (which the lane's windows
@@ -297,9 +304,8 @@ fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize)
         crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
     };
     let lease = push_fd(ctx, FdSource::Fd(lease));
-    if !ctx.synced.contains(&alloc.device) {
-        crate::cuda::finish_for_send(alloc.device)?;
-        ctx.synced.push(alloc.device);
+    if !ctx.devices.contains(&alloc.device) {
+        ctx.devices.push(alloc.device);
     }
     Ok(StorageDesc::Device(DeviceDesc {
         device: alloc.device,

@@ -26,13 +26,15 @@ impl Real {
         Ok((ev as u64, h.reserved.map(|c| c as u8)))
     }
 
-    pub(crate) fn event_open(&self, dev: u32, bytes: &IpcBytes) -> Result<u64> {
+    /// # Safety
+    /// `bytes` must be a handle cuIpcGetEventHandle gave for an event of `dev`, unchanged.
+    pub(crate) unsafe fn event_open(&self, dev: u32, bytes: &IpcBytes) -> Result<u64> {
         self.state(dev)?;
         let h = sys::CUipcEventHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: writes one event. The driver does not check what the handle's bytes say (a
-        // forged index makes it read out of bounds); the only way here is the `unsafe`
-        // `Event::from_ipc_handle`, whose caller vouches that the handle is a real one.
+        // forged index makes it read out of bounds): the caller vouches that they are a real
+        // handle (this function's contract).
         check(unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) }, "cuIpcOpenEventHandle")?;
         Ok(ev as u64)
     }

@@ -129,7 +129,23 @@ impl Real {
             },
             "cuIpcOpenMemHandle",
         )?;
-        Ok(Mapped { mem: Mem::Legacy { ptr, imported: true }, ptr, size })
+        // The claimed size is the sender's word: the allocation's own range bounds it.
+        let (mut base, mut real): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: ptr was opened just above in the current context; writes one pointer and
+        // one size.
+        let r =
+            check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut real, ptr) }, "cuMemGetAddressRange");
+        let fits = r.as_ref().is_ok_and(|()| base == ptr && real >= size);
+        if !fits {
+            // SAFETY: ptr was opened above, is not used after this, and is closed once.
+            unsafe { sys::cuIpcCloseMemHandle(ptr) };
+            r?;
+            return Err(Error::invalid(format!(
+                "a legacy IPC allocation was claimed as {size} bytes at {ptr:#x}; its range is {real} bytes \
+                 from {base:#x}"
+            )));
+        }
+        Ok(Mapped { mem: Mem::Legacy { ptr, imported: true }, ptr, size: real })
     }
 
     /// Gives back this process's claim; errors are ignored (this runs in drops, and the
