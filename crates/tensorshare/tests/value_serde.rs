@@ -84,6 +84,44 @@ fn a_value_through_the_wire_keeps_its_shape_and_aliases_its_tensors() {
     assert_eq!(back.scale, 0.25);
 }
 
+/// A mismatch deep in a value says where it is: dict keys and list positions from the top,
+/// a key that is not a string in brackets. (It said only what was expected and what came,
+/// which in a batch of many samples does not say which one.)
+#[test]
+fn a_mismatch_says_where_in_the_value_it_is() {
+    #[derive(Deserialize, Debug)]
+    struct Sample {
+        #[allow(dead_code)]
+        labels: Vec<i64>,
+    }
+    #[derive(Deserialize, Debug)]
+    struct Request {
+        #[allow(dead_code)]
+        samples: Vec<Sample>,
+    }
+    let sample = |labels: Vec<Value>| Value::dict([("labels", Value::List(labels))]);
+    let v = Value::dict([(
+        "samples",
+        Value::List(vec![
+            sample(vec![Value::Int(1)]),
+            sample(vec![Value::Int(2), Value::Str("three".into())]),
+        ]),
+    )]);
+    let e = from_value::<Request>(v).unwrap_err();
+    assert!(matches!(e, Error::InvalidMessage(_)), "{e}");
+    assert!(e.to_string().contains("at samples[1].labels[1]: "), "{e}");
+    assert!(
+        e.to_string().ends_with(r#"at samples[1].labels[1]: invalid type: string "three", expected i64"#),
+        "{e}"
+    );
+    let e =
+        from_value::<BTreeMap<i64, String>>(Value::Dict(vec![(Value::Int(5), Value::Int(3))])).unwrap_err();
+    assert!(e.to_string().contains("at [5]: "), "{e}");
+    // At the top there is no path to give.
+    let e = from_value::<i64>(Value::Str("x".into())).unwrap_err();
+    assert!(!e.to_string().contains("at "), "{e}");
+}
+
 #[test]
 fn a_mismatch_says_what_was_expected_and_what_came() {
     let v = Value::dict([("images", Value::Int(3))]);

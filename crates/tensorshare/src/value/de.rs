@@ -11,19 +11,59 @@ use crate::{Error, Result};
 /// field takes a `Tensor` or an `Array` as it is; a `Value` field takes whatever is there;
 /// both (and queue fields) in every shape serde reads, an internally tagged or untagged enum
 /// and a flattened struct included.
-/// A mismatch is [`Error::InvalidMessage`], saying what was expected and what came.
+/// A mismatch is [`Error::InvalidMessage`], saying what was expected, what came, and where
+/// (`at batches[1].labels[0]: invalid type: ...`: dict keys and list positions from the top;
+/// inside an untagged or internally tagged enum, which serde reads from a buffer, from
+/// there).
 pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T> {
     let _bridge = bridge::Bridge::open();
-    T::deserialize(ValueDeserializer(value)).map_err(|e| Error::InvalidMessage(e.0))
+    T::deserialize(ValueDeserializer(value)).map_err(|e| Error::InvalidMessage(e.to_string()))
 }
 
-/// A deserialization error (its text).
+/// A deserialization error: its text, and where in the value it happened.
 #[derive(Debug)]
-pub struct DeError(String);
+pub struct DeError {
+    msg: String,
+    /// Dict keys (`name`, or `[key]` for keys that are not strings) and list positions
+    /// (`[i]`), innermost first.
+    path: Vec<String>,
+}
+
+impl DeError {
+    fn new(msg: String) -> DeError {
+        DeError { msg, path: Vec::new() }
+    }
+
+    /// The error, one level further out: inside `segment` of the value around it.
+    fn at(mut self, segment: String) -> DeError {
+        self.path.push(segment);
+        self
+    }
+}
 
 impl std::fmt::Display for DeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        if self.path.is_empty() {
+            return f.write_str(&self.msg);
+        }
+        f.write_str("at ")?;
+        for (i, seg) in self.path.iter().rev().enumerate() {
+            if i > 0 && !seg.starts_with('[') {
+                f.write_str(".")?;
+            }
+            f.write_str(seg)?;
+        }
+        write!(f, ": {}", self.msg)
+    }
+}
+
+/// How a dict key reads in an error's path.
+fn key_segment(k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.clone(),
+        Value::Int(i) => format!("[{i}]"),
+        Value::Bool(b) => format!("[{b}]"),
+        other => format!("[{}]", kind(other)),
     }
 }
 
@@ -31,18 +71,18 @@ impl std::error::Error for DeError {}
 
 impl de::Error for DeError {
     fn custom<T: std::fmt::Display>(msg: T) -> DeError {
-        DeError(msg.to_string())
+        DeError::new(msg.to_string())
     }
 
     /// A newtype where something else was expected is, while a conversion is open, a bridged
     /// value that serde buffered (see `bridge::marker`): said as what it is.
     fn invalid_type(unexpected: de::Unexpected<'_>, expected: &dyn de::Expected) -> DeError {
         if unexpected == de::Unexpected::NewtypeStruct && bridge::active() {
-            return DeError(format!(
+            return DeError::new(format!(
                 "a tensor, an array, a queue, a pickled object or a pipe's end where {expected} was expected"
             ));
         }
-        DeError(format!("invalid type: {unexpected}, expected {expected}"))
+        DeError::new(format!("invalid type: {unexpected}, expected {expected}"))
     }
 }
 
@@ -96,7 +136,7 @@ impl ValueDeserializer {
             Value::Bytes(b) => visitor.visit_byte_buf(b),
             Value::List(items) | Value::Tuple(items) => {
                 let len = items.len();
-                let mut seq = Seq(items.into_iter());
+                let mut seq = Seq(items.into_iter().enumerate());
                 let out = visitor.visit_seq(&mut seq)?;
                 if seq.0.len() != 0 {
                     return Err(de::Error::invalid_length(len, &"fewer elements"));
@@ -107,10 +147,10 @@ impl ValueDeserializer {
             other if bridged => match bridge::marker(other) {
                 Ok(marker) => visitor.visit_newtype_struct(marker),
                 Err(other) => {
-                    Err(DeError(format!("{} where {} was expected", kind(&other), Expected(&visitor))))
+                    Err(DeError::new(format!("{} where {} was expected", kind(&other), Expected(&visitor))))
                 }
             },
-            other => Err(DeError(format!("{} where {} was expected", kind(&other), Expected(&visitor)))),
+            other => Err(DeError::new(format!("{} where {} was expected", kind(&other), Expected(&visitor)))),
         }
     }
 }
@@ -156,7 +196,7 @@ impl<'de> de::Deserializer<'de> for ValueDeserializer {
 
     fn deserialize_newtype_struct<V: Visitor<'de>>(self, name: &'static str, visitor: V) -> R<V::Value> {
         if name == bridge::TOKEN {
-            let index = bridge::put(|| self.0).ok_or_else(|| DeError("no conversion is open".into()))?;
+            let index = bridge::put(|| self.0).ok_or_else(|| DeError::new("no conversion is open".into()))?;
             return visitor.visit_i64(index);
         }
         visitor.visit_newtype_struct(self)
@@ -174,10 +214,12 @@ impl<'de> de::Deserializer<'de> for ValueDeserializer {
                 let (k, v) = items.pop().expect("one item");
                 match k {
                     Value::Str(variant) => visitor.visit_enum(Enum { variant, value: v }),
-                    other => Err(DeError(format!("an enum variant named by {}, not a str", kind(&other)))),
+                    other => {
+                        Err(DeError::new(format!("an enum variant named by {}, not a str", kind(&other))))
+                    }
                 }
             }
-            other => Err(DeError(format!(
+            other => Err(DeError::new(format!(
                 "{} where an enum (a variant's name, or a dict of one item) was expected",
                 kind(&other)
             ))),
@@ -193,13 +235,15 @@ impl<'de, V: Visitor<'de>> std::fmt::Display for Expected<'_, V> {
     }
 }
 
-struct Seq(std::vec::IntoIter<Value>);
+struct Seq(std::iter::Enumerate<std::vec::IntoIter<Value>>);
 
 impl<'de> de::SeqAccess<'de> for Seq {
     type Error = DeError;
     fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> R<Option<T::Value>> {
         match self.0.next() {
-            Some(v) => seed.deserialize(ValueDeserializer(v)).map(Some),
+            Some((i, v)) => {
+                seed.deserialize(ValueDeserializer(v)).map(Some).map_err(|e| e.at(format!("[{i}]")))
+            }
             None => Ok(None),
         }
     }
@@ -210,7 +254,8 @@ impl<'de> de::SeqAccess<'de> for Seq {
 
 struct Map {
     items: std::vec::IntoIter<(Value, Value)>,
-    value: Option<Value>,
+    /// The value of the key last read, and the key as an error's path says it.
+    value: Option<(Value, String)>,
 }
 
 impl<'de> de::MapAccess<'de> for Map {
@@ -218,15 +263,17 @@ impl<'de> de::MapAccess<'de> for Map {
     fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> R<Option<K::Value>> {
         match self.items.next() {
             Some((k, v)) => {
-                self.value = Some(v);
-                seed.deserialize(ValueDeserializer(k)).map(Some)
+                let at = key_segment(&k);
+                self.value = Some((v, at.clone()));
+                seed.deserialize(ValueDeserializer(k)).map(Some).map_err(|e| e.at(at))
             }
             None => Ok(None),
         }
     }
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> R<V::Value> {
-        let v = self.value.take().ok_or_else(|| DeError("a map value asked for before its key".into()))?;
-        seed.deserialize(ValueDeserializer(v))
+        let (v, at) =
+            self.value.take().ok_or_else(|| DeError::new("a map value asked for before its key".into()))?;
+        seed.deserialize(ValueDeserializer(v)).map_err(|e| e.at(at))
     }
     fn size_hint(&self) -> Option<usize> {
         Some(self.items.len())
@@ -252,7 +299,7 @@ impl<'de> de::VariantAccess<'de> for ValueDeserializer {
     fn unit_variant(self) -> R<()> {
         match self.0 {
             Value::None => Ok(()),
-            other => Err(DeError(format!("{} for a variant without content", kind(&other)))),
+            other => Err(DeError::new(format!("{} for a variant without content", kind(&other)))),
         }
     }
     fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> R<T::Value> {
