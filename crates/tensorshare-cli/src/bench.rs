@@ -150,6 +150,22 @@ fn fresh_on(device: tensorshare::Device, n: usize, v: f32) -> Result<Tensor, Str
     }
 }
 
+/// Rounds every pingpong-shaped workload runs before it starts timing.
+const WARMUP: usize = 50;
+
+/// Whether a pingpong-shaped workload sends one tensor again (`same`) or a new one each round
+/// (`fresh`), with its rounds checked.
+fn same_mode(mode: &str, rounds: usize) -> Result<bool, String> {
+    if rounds == 0 {
+        return Err("ROUNDS must be at least 1".into());
+    }
+    match mode {
+        "same" => Ok(true),
+        "fresh" => Ok(false),
+        m => Err(format!("mode must be fresh or same, not {m:?}")),
+    }
+}
+
 fn echo(_rank: usize, (to, from, rounds): (Queue<Tensor>, Queue<Tensor>, usize)) {
     for _ in 0..rounds {
         let t = to.get().expect("pingpong: get");
@@ -158,18 +174,11 @@ fn echo(_rank: usize, (to, from, rounds): (Queue<Tensor>, Queue<Tensor>, usize))
 }
 
 fn pingpong(size: usize, rounds: usize, mode: &str, device: tensorshare::Device) -> Result<Figures, String> {
-    let same_mode = match mode {
-        "same" => true,
-        "fresh" => false,
-        m => return Err(format!("mode must be fresh or same, not {m:?}")),
-    };
-    if rounds == 0 {
-        return Err("ROUNDS must be at least 1".into());
-    }
+    let same_mode = same_mode(mode, rounds)?;
     let n = (size / 4).max(1);
     let to: Queue<Tensor> = Queue::new().map_err(err)?;
     let from: Queue<Tensor> = Queue::new().map_err(err)?;
-    let mut ctx = spawn(echo, (to.clone(), from.clone(), rounds + 50), 1).map_err(err)?;
+    let mut ctx = spawn(echo, (to.clone(), from.clone(), rounds + WARMUP), 1).map_err(err)?;
     let same = fresh_on(device, n, 1.0)?;
     let one = |t0: Instant| -> Result<Duration, String> {
         let t = if same_mode { same.clone() } else { fresh_on(device, n, 1.0)? };
@@ -179,7 +188,7 @@ fn pingpong(size: usize, rounds: usize, mode: &str, device: tensorshare::Device)
         drop(r);
         Ok(rtt / 2)
     };
-    for _ in 0..50 {
+    for _ in 0..WARMUP {
         one(Instant::now())?;
     }
     let mut lat: Vec<Duration> = (0..rounds).map(|_| one(Instant::now())).collect::<Result<_, _>>()?;
@@ -217,27 +226,20 @@ fn first_use(_rank: usize, (to, from, rounds): (Queue<(Tensor, u64)>, Queue<u64>
 /// makes and fills a new tensor for every round, without synchronising before the `put`.
 #[cfg(feature = "cuda")]
 fn cuda_first_use(size: usize, rounds: usize, mode: &str) -> Result<Figures, String> {
-    let same_mode = match mode {
-        "same" => true,
-        "fresh" => false,
-        m => return Err(format!("mode must be fresh or same, not {m:?}")),
-    };
-    if rounds == 0 {
-        return Err("ROUNDS must be at least 1".into());
-    }
+    let same_mode = same_mode(mode, rounds)?;
     let device = tensorshare::Device::Cuda(0);
     let n = (size / 4).max(1);
     let to: Queue<(Tensor, u64)> = Queue::new().map_err(err)?;
     let from: Queue<u64> = Queue::new().map_err(err)?;
-    let mut ctx = spawn(first_use, (to.clone(), from.clone(), rounds + 50), 1).map_err(err)?;
+    let mut ctx = spawn(first_use, (to.clone(), from.clone(), rounds + WARMUP), 1).map_err(err)?;
     let same = fresh_on(device, n, 1.0)?;
     let mut lat = Vec::with_capacity(rounds);
-    for i in 0..rounds + 50 {
+    for i in 0..rounds + WARMUP {
         let t = if same_mode { same.clone() } else { fresh_on(device, n, 1.0)? };
         to.put((t, monotonic_ns())).map_err(err)?;
         // Bounded: a consumer that failed (its check panics) never answers.
         let took = from.get_timeout(Duration::from_secs(60)).map_err(|e| format!("the consumer: {e}"))?;
-        if i >= 50 {
+        if i >= WARMUP {
             lat.push(took as f64 / 1e3);
         }
     }
@@ -390,6 +392,20 @@ pub fn table_row(w: &Workload, f: &Summary) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Zero rounds had no median to take: an index panic. Now it, and an unknown mode, are
+    /// errors before any worker starts.
+    #[test]
+    fn pingpong_refuses_zero_rounds_and_unknown_modes() {
+        let w = |args: &[&str]| Workload {
+            name: "pingpong".into(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        let e = run(&w(&["4096", "0", "fresh"]), SharingStrategy::FileDescriptor).err().unwrap();
+        assert!(e.contains("ROUNDS must be at least 1"), "{e}");
+        let e = run(&w(&["4096", "10", "sometimes"]), SharingStrategy::FileDescriptor).err().unwrap();
+        assert!(e.contains("mode must be fresh or same"), "{e}");
+    }
 
     #[test]
     fn summaries_give_the_median_and_the_range_of_each_figure() {

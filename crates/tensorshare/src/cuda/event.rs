@@ -180,7 +180,7 @@ impl EventHandle {
         Device::Cuda(self.device)
     }
 
-    /// Opens the event: the same [`Event`] when this process made or has it open.
+    /// Opens the event: the same [`Event`] when an [`Event`] of this process has it.
     ///
     /// # Safety
     /// As [`Event::from_ipc_handle`]: the handle must come from [`Event::handle`] of an event
