@@ -13,6 +13,7 @@ without synchronising first; `same` sends one tensor over and over. A workload t
 prints its error instead of figures.
 """
 
+import contextlib
 import json
 import queue
 import sys
@@ -29,6 +30,8 @@ WARMUP = 50
 def echo(qin, qout, n):
     for _ in range(n):
         t = qin.get()
+        if t is None:  # the parent stopped early
+            return
         try:
             # A queue pickles in its feeder thread, where an error is only printed: try first,
             # so that a refusal reaches the parent instead of leaving it waiting.
@@ -43,13 +46,17 @@ def echo(qin, qout, n):
 
 def first_use(qin, qout, n):
     for _ in range(n):
-        t, sent = qin.get()
+        item = qin.get()
+        if item is None:  # the parent stopped early
+            return
+        t, sent = item
         v = t[0].item()
         took = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - sent
         if v != 1.0:
             raise AssertionError("the consumer read the tensor before the sender's fill was done")
         del t
         qout.put(took)
+    qin.get()  # stay alive until the parent is done
 
 
 def tensors(n, mode):
@@ -58,24 +65,16 @@ def tensors(n, mode):
     return lambda: same if mode == "same" else torch.full((n,), 1.0, device="cuda")
 
 
-def pingpong(size, rounds, mode):
+@contextlib.contextmanager
+def child(target, rounds, what):
+    """A spawned child running `target(qin, qout, n)`; when the block ends it is told to stop
+    (None), joined (killed if it hangs) and its exit code checked."""
     ctx = mp.get_context("spawn")
     qin, qout = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=echo, args=(qin, qout, rounds + WARMUP))
+    p = ctx.Process(target=target, args=(qin, qout, rounds + WARMUP))
     p.start()
-    make = tensors(max(1, size // 4), mode)
-    one_way = []
     try:
-        for i in range(rounds + WARMUP):
-            start = time.perf_counter()
-            t = make()
-            qin.put(t)
-            got = qout.get()
-            if isinstance(got, str):
-                raise RuntimeError(f"the child could not send the tensor back: {got}")
-            if i >= WARMUP:
-                one_way.append((time.perf_counter() - start) / 2)
-            del got, t
+        yield qin, qout, p
     finally:
         qin.put(None)
         p.join(timeout=60)
@@ -83,38 +82,50 @@ def pingpong(size, rounds, mode):
             p.kill()
             p.join()
     if p.exitcode != 0:
-        raise RuntimeError(f"the echoing child exited with {p.exitcode}")
-    one_way.sort()
-    return {"median_us": one_way[len(one_way) // 2] * 1e6, "p99_us": one_way[len(one_way) * 99 // 100] * 1e6}
+        raise RuntimeError(f"{what} exited with {p.exitcode}")
+
+
+def answer(qout, p, what):
+    try:
+        return qout.get(timeout=120)
+    except queue.Empty:
+        raise RuntimeError(f"{what} did not answer (exit code {p.exitcode})") from None
+
+
+def summary(us):
+    us.sort()
+    return {"median_us": us[len(us) // 2], "p99_us": us[len(us) * 99 // 100]}
+
+
+def pingpong(size, rounds, mode):
+    one_way = []
+    with child(echo, rounds, "the echoing child") as (qin, qout, p):
+        make = tensors(max(1, size // 4), mode)
+        for i in range(rounds + WARMUP):
+            start = time.perf_counter()
+            t = make()
+            qin.put(t)
+            got = answer(qout, p, "the echoing child")
+            if isinstance(got, str):
+                raise RuntimeError(f"the child could not send the tensor back: {got}")
+            if i >= WARMUP:
+                one_way.append((time.perf_counter() - start) / 2 * 1e6)
+            del got, t
+    return summary(one_way)
 
 
 def first_use_workload(size, rounds, mode):
-    ctx = mp.get_context("spawn")
-    qin, qout = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=first_use, args=(qin, qout, rounds + WARMUP))
-    p.start()
-    make = tensors(max(1, size // 4), mode)
     lat = []
-    try:
+    with child(first_use, rounds, "the consumer") as (qin, qout, p):
+        make = tensors(max(1, size // 4), mode)
         for i in range(rounds + WARMUP):
             t = make()
             qin.put((t, time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
-            try:
-                took = qout.get(timeout=120)
-            except queue.Empty:
-                raise RuntimeError(f"the consumer did not answer (exit code {p.exitcode})") from None
+            took = answer(qout, p, "the consumer")
             if i >= WARMUP:
                 lat.append(took / 1e3)
             del t  # torch: the sender keeps a CUDA tensor alive until the receiver is done
-    finally:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if p.exitcode != 0:
-        raise RuntimeError(f"the consumer exited with {p.exitcode}")
-    lat.sort()
-    return {"median_us": lat[len(lat) // 2], "p99_us": lat[len(lat) * 99 // 100]}
+    return summary(lat)
 
 
 def main():

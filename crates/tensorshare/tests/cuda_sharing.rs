@@ -788,12 +788,7 @@ fn every_bit_of_a_cuda_message() {
     let done: Queue<bool> = Queue::new().unwrap();
     let mut creator = spawn(
         |_rank, (q, done): (Queue<RawMessage>, Queue<bool>)| {
-            let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[3, 4])
-                .unwrap()
-                .to_device(Device::Cuda(0))
-                .unwrap();
-            let (bytes, fds) = raw::encode(&(x.clone(), x.narrow(1, 1, 2).unwrap())).unwrap();
-            q.put((bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+            q.put(two_views_message()).unwrap();
             done.get().unwrap();
         },
         (q.clone(), done.clone()),
@@ -802,9 +797,7 @@ fn every_bit_of_a_cuda_message() {
     .unwrap();
     let (bytes, fds) = q.get_timeout(WAIT).unwrap();
     {
-        use std::os::fd::AsFd;
-        let owned = fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect();
-        let (x, col): (Tensor, Tensor) = raw::decode(&bytes, owned).unwrap();
+        let (x, col): (Tensor, Tensor) = raw::decode(&bytes, owned(&fds)).unwrap();
         assert_eq!(col.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
         assert!(x.storage().ptr_eq(col.storage()));
     }
@@ -813,18 +806,16 @@ fn every_bit_of_a_cuda_message() {
     for at in 0..=bytes.len() {
         let mut ctx = spawn(
             |_rank, ((bytes, fds), at, tally): (RawMessage, usize, Queue<(usize, usize)>)| {
-                use std::os::fd::AsFd;
-                let mut owned: Vec<std::os::fd::OwnedFd> =
-                    fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect();
                 let variants: Vec<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> = if at == bytes.len() {
-                    owned.reverse();
-                    vec![(bytes, owned)]
+                    let mut swapped = owned(&fds);
+                    swapped.reverse();
+                    vec![(bytes, swapped)]
                 } else {
                     (0..8)
                         .map(|bit| {
                             let mut b = bytes.clone();
                             b[at] ^= 1 << bit;
-                            (b, owned.iter().map(|f| f.try_clone().unwrap()).collect())
+                            (b, owned(&fds))
                         })
                         .collect()
                 };
@@ -996,6 +987,25 @@ fn test_event_handle_multi_gpu() {
 /// A CUDA tensor's message, as bytes and descriptors, for decoding by hand.
 type RawMessage = (Vec<u8>, Vec<SharedFd>);
 
+/// The message of a 3×4 CUDA tensor of 0..12 and its columns 1..3, made by a worker for the
+/// decoding tests.
+fn two_views_message() -> RawMessage {
+    let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[3, 4])
+        .unwrap()
+        .to_device(Device::Cuda(0))
+        .unwrap();
+    let (bytes, fds) = raw::encode(&(x.clone(), x.narrow(1, 1, 2).unwrap())).unwrap();
+    // The allocation and its lease, whatever the number of views.
+    assert_eq!(fds.len(), fds_per_allocation());
+    (bytes, fds.into_iter().map(SharedFd::new).collect())
+}
+
+/// Descriptors of a message's own, for one decode of it.
+fn owned(fds: &[SharedFd]) -> Vec<std::os::fd::OwnedFd> {
+    use std::os::fd::AsFd;
+    fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect()
+}
+
 /// torch's test_rebuild_cuda_tensor, and the decoder against damaged CUDA messages: a
 /// worker encodes CUDA tensors and hands over the bare message; this process rebuilds the
 /// tensors from it, then decodes mutated copies (flipped bytes, cut lengths, descriptors
@@ -1006,14 +1016,7 @@ fn test_rebuild_cuda_tensor() {
     let done: Queue<bool> = Queue::new().unwrap();
     let mut ctx = spawn(
         |_rank, (q, done): (Queue<RawMessage>, Queue<bool>)| {
-            let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[3, 4])
-                .unwrap()
-                .to_device(Device::Cuda(0))
-                .unwrap();
-            let (bytes, fds) = raw::encode(&(x.clone(), x.narrow(1, 1, 2).unwrap())).unwrap();
-            // The allocation and its lease, whatever the number of views.
-            assert_eq!(fds.len(), fds_per_allocation());
-            q.put((bytes, fds.into_iter().map(SharedFd::new).collect())).unwrap();
+            q.put(two_views_message()).unwrap();
             if legacy_ipc() {
                 // A legacy IPC allocation dies with its creator: stay until the parent is done.
                 done.get().unwrap();
@@ -1028,10 +1031,6 @@ fn test_rebuild_cuda_tensor() {
         // The message is self-contained: its creator may be gone.
         assert_eq!(ctx.join(None), Ok(true));
     }
-    let owned = |fds: &[SharedFd]| -> Vec<std::os::fd::OwnedFd> {
-        use std::os::fd::AsFd;
-        fds.iter().map(|f| f.as_fd().try_clone_to_owned().unwrap()).collect()
-    };
     let (x, col): (Tensor, Tensor) = raw::decode(&bytes, owned(&fds)).unwrap();
     assert_eq!(x.device(), GPU);
     assert!(x.storage().ptr_eq(col.storage()));
