@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use tensorshare::cuda::{self, Event, EventHandle};
 use tensorshare::{
-    raw, spawn, start_processes, DType, Device, Error, Queue, SharedFd, StartMethod, Tensor, TensorKind,
+    raw, spawn, start_processes, DType, Device, Error, ProcessContext, Queue, SharedFd, StartMethod, Tensor,
+    TensorKind,
 };
 
 tensorshare::enable_test_workers!();
@@ -587,16 +588,16 @@ fn forkserver_workers_use_cuda_after_the_parent_did() {
     );
 }
 
-/// torch pins a producer's memory until the producer exits when a consumer dies holding
-/// it. Here a SIGKILLed consumer gives it back: the kernel closes its lease.
-fn a_killed_consumer_gives_its_memory_back() {
+/// A consumer that takes `t`, answers with the bytes of its first element (read from the
+/// device) and holds it until it is killed; returned once it has answered.
+fn hand_to_a_holder(t: Tensor) -> (ProcessContext, Vec<u8>) {
     let q: Queue<Tensor> = Queue::new().unwrap();
-    let got: Queue<bool> = Queue::new().unwrap();
+    let got: Queue<Vec<u8>> = Queue::new().unwrap();
     let never: Queue<bool> = Queue::new().unwrap();
-    let mut ctx = spawn(
-        |_rank, (q, got, never): (Queue<Tensor>, Queue<bool>, Queue<bool>)| {
+    let ctx = spawn(
+        |_rank, (q, got, never): (Queue<Tensor>, Queue<Vec<u8>>, Queue<bool>)| {
             let t = q.get().unwrap();
-            got.put(true).unwrap();
+            got.put(t.narrow(0, 0, 1).unwrap().to_bytes().unwrap()).unwrap();
             // Hold the tensor until killed (nobody puts on `never`).
             let _ = never.get();
             drop(t);
@@ -605,10 +606,13 @@ fn a_killed_consumer_gives_its_memory_back() {
         1,
     )
     .unwrap();
-    q.put(Tensor::full(&[1 << 16], 2.0f32).to_device(GPU).unwrap()).unwrap();
-    assert!(got.get().unwrap());
-    assert_eq!(cuda::collect(), 0);
-    assert_eq!(cuda::memory_stats().held_allocations, 1, "held for the consumer");
+    q.put(t).unwrap();
+    let first = got.get_timeout(WAIT).unwrap();
+    (ctx, first)
+}
+
+/// SIGKILLs the holder of [`hand_to_a_holder`] and checks that its join says so.
+fn kill_the_holder(mut ctx: ProcessContext) {
     let pid = ctx.pids()[0];
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).unwrap(),
@@ -617,6 +621,16 @@ fn a_killed_consumer_gives_its_memory_back() {
     .unwrap();
     let err = ctx.join(None).unwrap_err();
     assert!(err.to_string().contains("SIGKILL"), "{err}");
+}
+
+/// torch pins a producer's memory until the producer exits when a consumer dies holding
+/// it. Here a SIGKILLed consumer gives it back: the kernel closes its lease.
+fn a_killed_consumer_gives_its_memory_back() {
+    let (ctx, first) = hand_to_a_holder(Tensor::full(&[1 << 16], 2.0f32).to_device(GPU).unwrap());
+    assert_eq!(first, 2.0f32.to_ne_bytes());
+    assert_eq!(cuda::collect(), 0);
+    assert_eq!(cuda::memory_stats().held_allocations, 1, "held for the consumer");
+    kill_the_holder(ctx);
     assert!(cuda::collect() >= 1 << 18, "the killed consumer's hold is released");
     assert_eq!(cuda::memory_stats().allocated, 0);
 }
@@ -631,34 +645,13 @@ fn a_killed_consumers_memory_is_back_on_the_device() {
     // A quarter of what is free, at most 4 GiB: other processes' contexts may come and go
     // meanwhile, so the check asks for half of it back.
     let len = (free0 / 4).min(4 << 30) as usize & !0xfff;
-    let q: Queue<Tensor> = Queue::new().unwrap();
-    let got: Queue<bool> = Queue::new().unwrap();
-    let never: Queue<bool> = Queue::new().unwrap();
-    let mut ctx = spawn(
-        |_rank, (q, got, never): (Queue<Tensor>, Queue<bool>, Queue<bool>)| {
-            let t = q.get().unwrap();
-            assert_eq!(t.narrow(0, 0, 1).unwrap().to_vec::<u8>().unwrap(), [3]);
-            got.put(true).unwrap();
-            let _ = never.get();
-            drop(t);
-        },
-        (q.clone(), got.clone(), never.clone()),
-        1,
-    )
-    .unwrap();
     let mut t = Tensor::empty_on(&[len], DType::U8, GPU).unwrap();
     t.fill(3u8).unwrap();
-    q.put(t).unwrap();
-    assert!(got.get_timeout(WAIT).unwrap());
+    let (ctx, first) = hand_to_a_holder(t);
+    assert_eq!(first, [3]);
     assert_eq!(cuda::collect(), 0, "held for the consumer");
     let (held, _) = cuda::mem_get_info(GPU).unwrap();
-    let pid = ctx.pids()[0];
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
-    assert!(ctx.join(None).unwrap_err().to_string().contains("SIGKILL"));
+    kill_the_holder(ctx);
     let reclaimed = cuda::collect();
     assert!(reclaimed >= len, "collect gave back {reclaimed} bytes, the tensor had {len}");
     cuda::empty_cache();
