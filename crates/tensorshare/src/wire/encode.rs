@@ -31,11 +31,6 @@ pub(super) struct EncodeCtx {
     slots: Vec<u32>,
     storages: Vec<StorageDesc>,
     storage_index: FastMap<*const crate::storage::Inner, u32>,
-    /// The devices of the message's CUDA storages: once the whole value is serialized, the
-    /// sender waits for its work on each (`cuda::finish_for_send`), so a write queued while
-    /// the value was being serialized is waited for too.
-    #[cfg(feature = "cuda")]
-    devices: Vec<u32>,
 }
 
 /// Most entries a kept map or list may have room for: a message of a batch of small
@@ -70,8 +65,6 @@ impl EncodeCtx {
         self.named.clear();
         self.slots.clear();
         self.storages.clear();
-        #[cfg(feature = "cuda")]
-        self.devices.clear();
     }
 
     /// The context of the message being serialized on this thread, if one is.
@@ -142,10 +135,19 @@ fn encode_with<T: Serialize + ?Sized>(value: &T, lane_max: Option<usize>) -> Res
 /// header, and its lane form when it has one.
 fn finish_message(ctx: &mut EncodeCtx, payload: Vec<u8>, lane_max: Option<usize>) -> Result<Encoded> {
     // What the sender queued on the devices of the message's CUDA storages is done before
-    // the message exists: its receivers read it without waiting on anything of ours.
+    // the message exists, once the whole value is serialized (a write queued while it was
+    // being serialized included): its receivers read it without waiting on anything of ours.
     #[cfg(feature = "cuda")]
-    for &device in &ctx.devices {
-        crate::cuda::finish_for_send(device)?;
+    {
+        let mut finished: Vec<u32> = Vec::new();
+        for s in &ctx.storages {
+            if let StorageDesc::Device(d) = s {
+                if !finished.contains(&d.device) {
+                    crate::cuda::finish_for_send(d.device)?;
+                    finished.push(d.device);
+                }
+            }
+        }
     }
     // The slots, arena by arena.
     ctx.named.sort_unstable();
@@ -304,9 +306,6 @@ fn device_desc(ctx: &mut EncodeCtx, alloc: &crate::cuda::Allocation, len: usize)
         crate::cuda::Export::Ipc(h) => DeviceMemory::Ipc(h.to_vec()),
     };
     let lease = push_fd(ctx, FdSource::Fd(lease));
-    if !ctx.devices.contains(&alloc.device) {
-        ctx.devices.push(alloc.device);
-    }
     Ok(StorageDesc::Device(DeviceDesc {
         device: alloc.device,
         id: (alloc.id.origin, alloc.id.serial),
