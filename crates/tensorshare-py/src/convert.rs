@@ -123,6 +123,9 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
         if let Ok(i) = obj.extract::<i64>() {
             return Ok(Value::Int(i));
         }
+        if let Ok(u) = obj.extract::<u64>() {
+            return Ok(Value::UInt(u));
+        }
         seen.once(obj)?;
         return pickled_at(py, obj, depth);
     }
@@ -221,6 +224,7 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
         Value::None => py.None(),
         Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
         Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+        Value::UInt(u) => u.into_pyobject(py)?.into_any().unbind(),
         Value::Float(f) => f.into_pyobject(py)?.into_any().unbind(),
         Value::Str(s) => PyString::new(py, &s).into_any().unbind(),
         Value::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),

@@ -74,6 +74,7 @@ def test_python_values_arrive_in_rust_as_structs_and_writes_come_back(loader):
         "pairs": [("x", 1), ("y", 41)],
         "nested": {"k": [1.0, 2.0], "l": [3.0]},
         "maybe": None,
+        "hashes": [0, 2**63 - 1, 2**63, 2**64 - 2],
     }
     requests.put({"check": check})
     found = batches.get(timeout=60)
@@ -85,6 +86,8 @@ def test_python_values_arrive_in_rust_as_structs_and_writes_come_back(loader):
     assert found["dtypes"] == ["float32", "float16", "bfloat16", "bool", "float64"]
     assert found["names"] == ["a", "b"] and found["pair_sum"] == 42 and found["nested_len"] == 3
     assert found["maybe"] is None
+    # Rust's u64 over i64's range, both ways.
+    assert found["hashes_flipped"] == [1, 2**63 - 2, 2**63 + 1, 2**64 - 1]
     assert torch.equal(found["made_here"], torch.tensor([1.5, 2.5, 3.5]))
     # The array lives in shared memory and went as a handle: Rust doubled it in place.
     np.testing.assert_array_equal(array, [2.0, 4.0, 6.0])

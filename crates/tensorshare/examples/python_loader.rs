@@ -55,6 +55,8 @@ struct Check {
     pairs: Vec<(String, i64)>,
     nested: BTreeMap<String, Vec<f64>>,
     maybe: Option<i64>,
+    /// Integers a Rust `u64` holds, up to 2**64 - 1 (a hash, a seed).
+    hashes: Vec<u64>,
 }
 
 /// What this process found, back to Python.
@@ -70,6 +72,8 @@ struct Found {
     pair_sum: i64,
     nested_len: usize,
     maybe: Option<i64>,
+    /// Each of `hashes` with its lowest bit flipped, made here.
+    hashes_flipped: Vec<u64>,
     made_here: Tensor,
 }
 
@@ -92,6 +96,7 @@ fn check(value: Value) -> Result<Value> {
         pair_sum: c.pairs.iter().map(|(_, v)| v).sum(),
         nested_len: c.nested.values().map(Vec::len).sum(),
         maybe: c.maybe,
+        hashes_flipped: c.hashes.iter().map(|h| h ^ 1).collect(),
         made_here: Tensor::from_vec(vec![1.5f32, 2.5, 3.5], &[3])?,
     };
     to_value(&found)

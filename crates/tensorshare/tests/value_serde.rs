@@ -134,14 +134,42 @@ fn a_mismatch_says_what_was_expected_and_what_came() {
     assert!(e.to_string().contains("where an enum"), "{e}");
     // What Python pickles (an int of 2**63, which a u64 would hold) says what it may be.
     let e = from_value::<u64>(Value::Object { pickle: vec![], tensors: vec![] }).unwrap_err();
-    assert!(e.to_string().contains("a Python int outside i64") && e.to_string().contains("u64"), "{e}");
+    assert!(e.to_string().contains("a Python int outside i64 and u64"), "{e}");
 }
 
 #[test]
-fn integers_beyond_64_bits_are_refused() {
-    let e = to_value(&u64::MAX).unwrap_err();
-    assert!(matches!(e, Error::Serialize(_)) && e.to_string().contains("is outside the range of i64"), "{e}");
-    assert!(matches!(to_value(&(i64::MAX as u64)).unwrap(), Value::Int(i64::MAX)));
+fn a_u64_beyond_i64_travels_as_a_uint_and_wider_integers_are_refused() {
+    // A Rust u64 (a hash, a seed) over i64's range is a UInt, through the wire and back.
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Seeds {
+        hashes: Vec<u64>,
+        wide: u128,
+        small: i128,
+    }
+    let seeds =
+        Seeds { hashes: vec![0, i64::MAX as u64, 1 << 63, u64::MAX], wide: u128::from(u64::MAX), small: -5 };
+    let v = to_value(&seeds).unwrap();
+    let hashes = v.get("hashes").and_then(Value::as_slice).unwrap();
+    assert!(matches!(hashes[1], Value::Int(i64::MAX)), "{hashes:?}");
+    assert!(matches!(hashes[2], Value::UInt(u) if u == 1 << 63), "{hashes:?}");
+    assert!(matches!(v.get("wide"), Some(Value::UInt(u64::MAX))), "{v:?}");
+    assert!(matches!(v.get("small"), Some(Value::Int(-5))), "{v:?}");
+    let got: Value = Message::encode(&v).unwrap().decode().unwrap();
+    assert_eq!(from_value::<Seeds>(got).unwrap(), seeds);
+    assert_eq!(Value::UInt(u64::MAX).as_u64(), Some(u64::MAX));
+    assert_eq!(Value::UInt(u64::MAX).as_i64(), None);
+    assert_eq!(Value::Int(-1).as_u64(), None);
+    // A UInt that an Int would have held (a peer that writes it so) is that number.
+    assert_eq!(from_value::<i8>(Value::UInt(7)).unwrap(), 7);
+    // Out of range of what reads it: an error, not a wrapped number.
+    let e = from_value::<i64>(Value::UInt(u64::MAX)).unwrap_err();
+    assert!(e.to_string().contains("18446744073709551615"), "{e}");
+    for e in [to_value(&u128::MAX).unwrap_err(), to_value(&i128::MIN).unwrap_err()] {
+        assert!(
+            matches!(e, Error::Serialize(_)) && e.to_string().contains("outside the range of i64 and of u64"),
+            "{e}"
+        );
+    }
 }
 
 /// The shape of `Value` on the wire up to its `List`, with no limit on nesting: what a

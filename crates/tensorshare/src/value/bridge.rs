@@ -200,7 +200,7 @@ impl<'de> Visitor<'de> for Buffered {
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
-        i64::try_from(v).map(Value::Int).map_err(|_| E::custom(format!("the integer {v} is beyond i64")))
+        Ok(i64::try_from(v).map_or(Value::UInt(v), Value::Int))
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {

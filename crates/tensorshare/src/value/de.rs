@@ -62,6 +62,7 @@ fn key_segment(k: &Value) -> String {
     match k {
         Value::Str(s) => s.clone(),
         Value::Int(i) => format!("[{i}]"),
+        Value::UInt(u) => format!("[{u}]"),
         Value::Bool(b) => format!("[{b}]"),
         other => format!("[{}]", kind(other)),
     }
@@ -98,7 +99,7 @@ impl Value {
         match self {
             Value::None => "None",
             Value::Bool(_) => "a bool",
-            Value::Int(_) => "an int",
+            Value::Int(_) | Value::UInt(_) => "an int",
             Value::Float(_) => "a float",
             Value::Str(_) => "a str",
             Value::Bytes(_) => "bytes",
@@ -110,7 +111,7 @@ impl Value {
             Value::Queue(_) => "a Queue",
             Value::SimpleQueue(_) => "a SimpleQueue",
             Value::Object { .. } => {
-                "a pickled Python object (which Rust cannot read: a Python int outside i64, a set, \
+                "a pickled Python object (which Rust cannot read: a Python int outside i64 and u64, a set, \
                  an instance of a class, ...)"
             }
             Value::Connection(_) => "a pipe's end",
@@ -131,6 +132,7 @@ impl ValueDeserializer {
             Value::None => visitor.visit_unit(),
             Value::Bool(b) => visitor.visit_bool(b),
             Value::Int(i) => visitor.visit_i64(i),
+            Value::UInt(u) => visitor.visit_u64(u),
             Value::Float(f) => visitor.visit_f64(f),
             Value::Str(s) => visitor.visit_string(s),
             Value::Bytes(b) => visitor.visit_byte_buf(b),

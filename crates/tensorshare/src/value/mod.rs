@@ -8,13 +8,14 @@
 //!
 //! | Python | `Value` |
 //! |---|---|
-//! | `None`, `bool`, `int` (fitting in 64 bits), `float`, `str`, `bytes` | `None`, `Bool`, `Int`, `Float`, `Str`, `Bytes` |
+//! | `None`, `bool`, `int` (in i64's range), `float`, `str`, `bytes` | `None`, `Bool`, `Int`, `Float`, `Str`, `Bytes` |
+//! | `int` in [2^63, 2^64) (a Rust `u64` beyond i64) | `UInt` |
 //! | `list`, `tuple`, `dict` | `List`, `Tuple`, `Dict` (pairs, in insertion order) |
 //! | `torch.Tensor` (also `Parameter`, `requires_grad`) | `Tensor` |
 //! | `numpy.ndarray` | `Array` |
 //! | a tensorshare queue | `Queue`, `SimpleQueue` |
 //! | an end of a tensorshare `Pipe()` | `Connection` |
-//! | anything else (a lambda, a class instance, a big `int`) | `Object`: pickled by value, tensors inside it travel beside the pickle as handles |
+//! | anything else (a lambda, a class instance, an `int` beyond u64 or below i64) | `Object`: pickled by value, tensors inside it travel beside the pickle as handles |
 //!
 //! Tensors travel as handles into shared memory, as everywhere in tensorshare: the receiver,
 //! Rust or Python, maps the sender's memory.
@@ -78,6 +79,10 @@ pub enum Value {
     },
     /// One end of a pipe whose values are `Value`s (an end of Python's `Pipe()`).
     Connection(Connection<Value>),
+    /// An `int` in [2^63, 2^64): beyond `Int`, within `u64` (a Rust `u64` such as a hash or
+    /// a seed). Senders write an integer that fits an `Int` as an `Int`; a received `UInt`
+    /// of any size is that number.
+    UInt(u64),
 }
 
 thread_local! {
@@ -162,19 +167,30 @@ impl Value {
         }
     }
 
-    /// The integer of an `Int`.
+    /// The integer of an `Int`, or of a `UInt` within `i64`.
     pub fn as_i64(&self) -> Option<i64> {
         match self {
             Value::Int(i) => Some(*i),
+            Value::UInt(u) => i64::try_from(*u).ok(),
             _ => None,
         }
     }
 
-    /// The number of a `Float`, or of an `Int` as a float.
+    /// The integer of a `UInt`, or of an `Int` that is not negative.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::Int(i) => u64::try_from(*i).ok(),
+            Value::UInt(u) => Some(*u),
+            _ => None,
+        }
+    }
+
+    /// The number of a `Float`, or of an `Int` or a `UInt` as a float.
     pub fn as_f64(&self) -> Option<f64> {
         match self {
             Value::Float(f) => Some(*f),
             Value::Int(i) => Some(*i as f64),
+            Value::UInt(u) => Some(*u as f64),
             _ => None,
         }
     }

@@ -67,9 +67,16 @@ fn child<T: Serialize + ?Sized>(value: &T, levels: usize) -> R {
     value.serialize(ValueSerializer)
 }
 
-fn int<T: TryInto<i64> + std::fmt::Display + Copy>(v: T) -> R {
-    v.try_into().map(Value::Int).map_err(|_| {
-        SerError(format!("the integer {v} is outside the range of i64, which the wire's Int holds (send a larger one as a str, or as bytes)"))
+/// An integer as the wire holds it: an `Int` where it fits, else a `UInt` where it fits.
+fn int<T: TryInto<i64> + TryInto<u64> + std::fmt::Display + Copy>(v: T) -> R {
+    if let Ok(i) = v.try_into() {
+        return Ok(Value::Int(i));
+    }
+    v.try_into().map(Value::UInt).map_err(|_| {
+        SerError(format!(
+            "the integer {v} is outside the range of i64 and of u64, which the wire's Int and UInt hold \
+             (send a larger one as a str, or as bytes)"
+        ))
     })
 }
 
