@@ -147,6 +147,13 @@ fn find_block(py: Python<'_>, address: usize) -> Option<Bound<'_, Block>> {
     torch::find_block(py, address)
 }
 
+/// The live registered block holding all of `address..address + nbytes` and the offset of
+/// `address` in it, or None.
+#[pyfunction]
+fn block_covering(py: Python<'_>, address: usize, nbytes: usize) -> Option<(Bound<'_, Block>, usize)> {
+    torch::block_covering(py, address, nbytes)
+}
+
 /// The torch storage over `block` (one per block while it lives; torch must be imported).
 #[pyfunction]
 fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bound<'py, PyAny>> {
@@ -281,6 +288,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_block, m)?)?;
     m.add_function(wrap_pyfunction!(new_block, m)?)?;
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
+    m.add_function(wrap_pyfunction!(block_covering, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(refuse_mapped_file, m)?)?;

@@ -8,7 +8,7 @@
 //! block while it lives, so that tensors received from one storage share one torch storage
 //! here too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -210,6 +210,10 @@ impl Hasher for AddressHasher {
 struct Registry {
     blocks: ByAddress,
     storages: ByAddress,
+    /// The addresses in `blocks`, in order: the block a storage starting inside one lies in
+    /// (`torch.from_numpy` of a view into the middle of a shared array) is the one at the
+    /// nearest address below it.
+    starts: BTreeSet<usize>,
     /// Entries at the last sweep of dead ones: the next sweep comes at twice as many, and
     /// not before [`SWEEP_FROM`].
     swept_at: usize,
@@ -274,6 +278,9 @@ fn record(
         let replaced = if keep {
             [weak_block, weak_storage]
         } else {
+            if weak_block.is_some() {
+                registry.starts.insert(addr);
+            }
             [
                 weak_block.and_then(|w| registry.blocks.insert(addr, w)),
                 weak_storage.and_then(|w| registry.storages.insert(addr, w)),
@@ -289,6 +296,8 @@ fn record(
                     map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
                 swept.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
             }
+            let blocks = &registry.blocks;
+            registry.starts.retain(|a| blocks.contains_key(a));
             registry.swept_at = registry.blocks.len() + registry.storages.len();
         }
         (replaced, swept)
@@ -300,6 +309,32 @@ fn record(
 /// The live block at `addr`, if there is one.
 pub(crate) fn find_block<'py>(py: Python<'py>, addr: usize) -> Option<Bound<'py, Block>> {
     with_registry(|r| live(py, &r.blocks, addr)).and_then(|b| b.cast_into::<Block>().ok())
+}
+
+/// Dead addresses below a storage's that [`block_covering`] steps over before it gives up
+/// (they are swept out of [`Registry::starts`] with the rest).
+const COVERING_STEPS: usize = 16;
+
+/// The live block that holds all of `addr..addr + nbytes`, and where `addr` is in it: the
+/// block at `addr`, or one that starts below it (a view into the middle of a block's
+/// memory, by numpy and `torch.from_numpy`, or DLPack). Live blocks of this process never
+/// overlap but where two are at one address (the registry keeps the larger), so the nearest
+/// live one below is the only candidate.
+pub(crate) fn block_covering<'py>(py: Python<'py>, addr: usize, nbytes: usize) -> Option<InBlock<'py>> {
+    let end = addr.checked_add(nbytes)?;
+    let found = with_registry(|r| {
+        for &start in r.starts.range(..=addr).rev().take(COVERING_STEPS) {
+            // Runs no Python code (see `live`): a live block's new reference is returned.
+            if let Some(b) = live(py, &r.blocks, start) {
+                return Some((b, start));
+            }
+        }
+        None
+    });
+    let (b, start) = found?;
+    let b = b.cast_into::<Block>().ok()?;
+    let covers = start.checked_add(b.get().storage.len()).is_some_and(|e| e >= end);
+    covers.then_some((b, addr - start))
 }
 
 /// The block for a received `storage`: the live one over the same memory when there is one
@@ -492,7 +527,8 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     if empty_past_end(&shape, offset, dtype, nbytes) {
         return Ok(false);
     }
-    Ok(found.is_some() || moves_into_block(api, &storage, nbytes)?)
+    let in_block = found.is_some_and(|(_, at)| at % dtype.size() == 0);
+    Ok(in_block || moves_into_block(api, &storage, nbytes)?)
 }
 
 /// Whether a tensor of `shape` with no elements starts past the end of its storage of
@@ -546,15 +582,31 @@ pub(crate) fn refuse_mapped_file(storage: &Bound<'_, PyAny>) -> PyResult<()> {
     }
 }
 
-/// The live block `storage` (a CPU storage) is in, if any, and the storage's size.
+/// A live block and the offset of a storage's first byte in it.
+type InBlock<'py> = (Bound<'py, Block>, usize);
+
+/// The live block `storage` (a CPU storage) is in, if any, with the offset of the storage's
+/// first byte in it, and the storage's size.
 fn block_of<'py>(
     py: Python<'py>,
     api: &Api,
     storage: &Bound<'py, PyAny>,
-) -> PyResult<(Option<Bound<'py, Block>>, usize)> {
+) -> PyResult<(Option<InBlock<'py>>, usize)> {
     let addr: usize = api.storage_data_ptr.call0(storage)?.extract()?;
     let nbytes: usize = api.storage_nbytes.call0(storage)?.extract()?;
-    Ok((find_block(py, addr).filter(|b| b.get().storage.len() >= nbytes), nbytes))
+    Ok((block_covering(py, addr, nbytes), nbytes))
+}
+
+/// The block a storage was moved into, if it is in one whole, from its start.
+fn block_at_start<'py>(
+    py: Python<'py>,
+    api: &Api,
+    storage: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, Block>>> {
+    Ok(match block_of(py, api, storage)?.0 {
+        Some((b, 0)) => Some(b),
+        _ => None,
+    })
 }
 
 /// A torch tensor as a tensorshare tensor, or `None` when `obj` is no tensor that travels
@@ -584,12 +636,20 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         if empty_past_end(&shape, offset, dtype, nbytes) {
             return Ok(None);
         }
-        let block = match found {
-            Some(b) => b,
-            None if moves_into_block(api, &storage, nbytes)? => {
-                move_storage(py, api, &storage, nbytes, true)?
+        // A storage inside a block at an offset whole elements of `dtype` span is a view
+        // of the block from there (a torch tensor over the middle of a shared array); at
+        // any other offset the block's handle cannot say where it starts, and it moves.
+        let (block, offset) = match found {
+            Some((b, at)) if at % dtype.size() == 0 => {
+                let offset = offset
+                    .checked_add(at / dtype.size())
+                    .ok_or_else(|| PyValueError::new_err("a tensor's storage offset overflows"))?;
+                (b, offset)
             }
-            None => return Ok(None),
+            _ if moves_into_block(api, &storage, nbytes)? => {
+                (move_storage(py, api, &storage, nbytes, true)?, offset)
+            }
+            _ => return Ok(None),
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };
@@ -742,7 +802,7 @@ impl Moving {
                         let claim = Moving(claim);
                         // Moved into a block before the claim (another thread, after the
                         // caller looked): that block, and no move.
-                        if let (Some(block), _) = block_of(py, api, storage)? {
+                        if let Some(block) = block_at_start(py, api, storage)? {
                             return Ok(Err(block));
                         }
                         return Ok(Ok(claim));
@@ -756,7 +816,7 @@ impl Moving {
                     over = cv.wait(over).unwrap_or_else(|p| p.into_inner());
                 }
             });
-            if let (Some(block), _) = block_of(py, api, storage)? {
+            if let Some(block) = block_at_start(py, api, storage)? {
                 return Ok(Err(block));
             }
         }

@@ -609,3 +609,91 @@ def test_a_nested_tensor_of_the_strided_layout_travels():
     finally:
         reap(p)
     assert p.exitcode == 0
+
+
+def _fill_each_with_sevens(q, done):
+    for t in q.get():
+        t.fill_(7)
+    done.put(True)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_torch_tensor_over_the_middle_of_a_shared_array_stays_shared_in_place(method):
+    # torch.from_numpy of a view into the middle of a tensorshare.empty_shared_array has a
+    # storage that starts inside a block, at no block's address: it was moved into a new
+    # block like a private storage, silently, so it no longer aliased the array it was
+    # made over, and the receiver's writes reached neither.
+    import numpy as np
+
+    import tensorshare
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    a = tensorshare.empty_shared_array(16, "float32")
+    a[...] = np.arange(16)
+    middle = torch.from_numpy(a[4:8])
+    as_ints = torch.from_numpy(a.view(np.int32)[9:11])  # another dtype, at an offset
+    shared = torch.from_numpy(a[12:15])
+    shared.share_memory_()  # in place: already shared memory
+    assert middle.is_shared() and as_ints.is_shared() and shared.is_shared()
+    ctx = mp.get_context(method)
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fill_each_with_sevens, args=(q, done))
+    p.start()
+    try:
+        q.put([middle, as_ints, shared])
+        assert done.get(timeout=LONG)
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    np.testing.assert_array_equal(a[:4], [0, 1, 2, 3])
+    np.testing.assert_array_equal(a[4:8], [7, 7, 7, 7])
+    np.testing.assert_array_equal(a.view(np.int32)[9:11], [7, 7])
+    np.testing.assert_array_equal(a[12:15], [7, 7, 7])
+    assert a[15] == 15
+    # The sender's tensors still alias the array.
+    middle[0] = -1
+    assert a[4] == -1
+
+
+def _fill_storages_with_nines(q, done):
+    storages = q.get()
+    for s in storages:
+        s.fill_(9)
+    done.put([s.nbytes() for s in storages])
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.parametrize("queue", ["tensorshare", "torch"])
+def test_a_storage_over_the_middle_of_a_shared_array_arrives_as_that_part_and_shared(queue):
+    # Such a storage travels as a view of its block: the receiver must get that part of the
+    # block's memory as the storage, not the whole block from its start (a tensor rebuilt
+    # over it would read the wrong bytes), through tensorshare's queues and torch's own.
+    import numpy as np
+
+    import tensorshare
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    import torch.multiprocessing as torch_mp
+
+    a = tensorshare.empty_shared_array(16, "float32")
+    a[...] = np.arange(16)
+    storage = torch.from_numpy(a[4:8]).untyped_storage()
+    typed = torch.from_numpy(a[10:12]).storage()  # a TypedStorage, as torch's own code has
+    ctx = (mp if queue == "tensorshare" else torch_mp).get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fill_storages_with_nines, args=(q, done))
+    p.start()
+    try:
+        q.put([storage, typed])
+        assert done.get(timeout=LONG) == [16, 8]
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    nines = np.frombuffer(bytes([9] * 4), dtype=np.float32)[0]  # the untyped one's bytes
+    np.testing.assert_array_equal(a[:4], [0, 1, 2, 3])
+    np.testing.assert_array_equal(a[4:8], [nines] * 4)
+    np.testing.assert_array_equal(a[8:10], [8, 9])
+    np.testing.assert_array_equal(a[10:12], [9, 9])  # the typed storage's elements
+    np.testing.assert_array_equal(a[12:], [12, 13, 14, 15])

@@ -82,8 +82,9 @@ def move_storage(storage):
 
 
 def _is_ours(storage):
-    block = _native.find_block(storage.data_ptr())
-    return block is not None and block.nbytes >= storage.nbytes()
+    """Whether ``storage`` lies in a block: from its start, or inside it (``torch.from_numpy``
+    of a view into the middle of a shared array)."""
+    return _native.block_covering(storage.data_ptr(), storage.nbytes()) is not None
 
 
 def _torch_strategy():
@@ -724,6 +725,12 @@ class _Unpickler(pickle.Unpickler):
             if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage":
                 view = self._inner[pid[1]]
                 storage = view.untyped_storage()
+                start, n = view.storage_offset() * view.element_size(), view.numel() * view.element_size()
+                if start != 0 or n != storage.nbytes():
+                    # A storage that lay inside a block at its sender (``torch.from_numpy``
+                    # of a view into the middle of a shared array) arrives as a view of
+                    # the block's: the part of it that view covers, sharing its memory.
+                    storage = storage[start : start + n]
                 if pid[2]:
                     return _torch().TypedStorage(wrap_storage=storage, dtype=view.dtype, _internal=True)
                 return storage
