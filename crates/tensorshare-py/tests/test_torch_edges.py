@@ -697,3 +697,36 @@ def test_a_storage_over_the_middle_of_a_shared_array_arrives_as_that_part_and_sh
     np.testing.assert_array_equal(a[8:10], [8, 9])
     np.testing.assert_array_equal(a[10:12], [9, 9])  # the typed storage's elements
     np.testing.assert_array_equal(a[12:], [12, 13, 14, 15])
+
+
+def _fill_arrays_with_sevens(q, done):
+    for a in q.get():
+        a[...] = 7
+    done.put(True)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_numpy_array_over_a_tensor_in_a_block_is_shared_not_copied(method):
+    # t.numpy() of a tensor in a block has the tensor as its base, not the block: such an
+    # array was copied into a new block when sent, and the receiver's writes were lost.
+    import numpy as np
+
+    import tensorshare
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    t = tensorshare.empty_shared((16,), dtype=torch.float32)
+    t[...] = torch.arange(16)
+    arrays = [t.numpy()[4:8], np.asarray(t)[10:12], t[13:15].numpy(), t.numpy()[3:0:-2]]
+    ctx = mp.get_context(method)
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fill_arrays_with_sevens, args=(q, done))
+    p.start()
+    try:
+        q.put(arrays)
+        assert done.get(timeout=LONG)
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    seven = [0, 7, 2, 7, 7, 7, 7, 7, 8, 9, 7, 7, 12, 7, 7, 15]
+    assert t.tolist() == seven

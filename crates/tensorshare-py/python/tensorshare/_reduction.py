@@ -385,11 +385,29 @@ def install_torch_hook():
 
 
 def _block_under(a):
-    """The block numpy array ``a`` views (its base, or its base's base, ...), or None."""
+    """The block numpy array ``a`` views (its base, or its base's base, ...), else the live
+    block all of its bytes lie in (an array over a torch tensor in a block, ``t.numpy()``,
+    whose base is the tensor), or None."""
     base = a
     while base is not None and not isinstance(base, _native.Block):
         base = getattr(base, "base", None)
+    if base is None and a.size:
+        low, high = _byte_bounds(a)
+        found = _native.block_covering(low, high - low)
+        if found is not None:
+            base = found[0]
     return base
+
+
+def _byte_bounds(a):
+    """The addresses of ``a``'s first byte and one past its last, whatever its strides."""
+    low = high = a.__array_interface__["data"][0]
+    for n, step in zip(a.shape, a.strides, strict=True):
+        if step < 0:
+            low += step * (n - 1)
+        else:
+            high += step * (n - 1)
+    return low, high + a.itemsize
 
 
 def _handle_geometry(a, block):
