@@ -1,7 +1,8 @@
 //! torch tensors to and from tensorshare tensors, in Rust: the hot path of every queue.
 //!
-//! A torch tensor whose storage starts at a live [`Block`] travels as a handle to that
-//! block; one whose storage lives elsewhere is moved into a new block first, once per
+//! A torch tensor whose storage lies in a live [`Block`] (from its start, or inside it at a
+//! whole number of elements) travels as a handle to that block; one whose storage lives
+//! elsewhere is moved into a new block first, once per
 //! storage, unless this torch cannot move it or has it in its own shared memory already
 //! (see [`moves_into_block`]: it is then pickled with torch's own reductions). A received
 //! tensor becomes a torch tensor over the torch storage of its block, one torch storage per
@@ -311,30 +312,47 @@ pub(crate) fn find_block<'py>(py: Python<'py>, addr: usize) -> Option<Bound<'py,
     with_registry(|r| live(py, &r.blocks, addr)).and_then(|b| b.cast_into::<Block>().ok())
 }
 
-/// Dead addresses below a storage's that [`block_covering`] steps over before it gives up
-/// (they are swept out of [`Registry::starts`] with the rest).
-const COVERING_STEPS: usize = 16;
-
 /// The live block that holds all of `addr..addr + nbytes`, and where `addr` is in it: the
 /// block at `addr`, or one that starts below it (a view into the middle of a block's
 /// memory, by numpy and `torch.from_numpy`, or DLPack). Live blocks of this process never
 /// overlap but where two are at one address (the registry keeps the larger), so the nearest
-/// live one below is the only candidate.
+/// live one below is the only candidate. The dead addresses met on the way down are taken
+/// out of [`Registry::starts`] (a block recorded there again puts its address back), so that
+/// however many blocks a large one now lies over, each is stepped over once.
 pub(crate) fn block_covering<'py>(py: Python<'py>, addr: usize, nbytes: usize) -> Option<InBlock<'py>> {
     let end = addr.checked_add(nbytes)?;
     let found = with_registry(|r| {
-        for &start in r.starts.range(..=addr).rev().take(COVERING_STEPS) {
-            // Runs no Python code (see `live`): a live block's new reference is returned.
-            if let Some(b) = live(py, &r.blocks, start) {
-                return Some((b, start));
-            }
-        }
-        None
+        let Registry { blocks, starts, .. } = r;
+        // Runs no Python code (see `live`): a live block's new reference is returned.
+        nearest_live(starts, addr, |start| live(py, blocks, start))
     });
     let (b, start) = found?;
     let b = b.cast_into::<Block>().ok()?;
     let covers = start.checked_add(b.get().storage.len()).is_some_and(|e| e >= end);
     covers.then_some((b, addr - start))
+}
+
+/// The nearest address at or below `addr` in `starts` where `live` finds something, and
+/// what it found; the dead addresses above it are taken out of `starts`. Removes plain
+/// addresses only, so nothing is let go that could run Python code.
+fn nearest_live<T>(
+    starts: &mut BTreeSet<usize>,
+    addr: usize,
+    live: impl Fn(usize) -> Option<T>,
+) -> Option<(T, usize)> {
+    let mut dead = Vec::new();
+    let mut found = None;
+    for &start in starts.range(..=addr).rev() {
+        if let Some(x) = live(start) {
+            found = Some((x, start));
+            break;
+        }
+        dead.push(start);
+    }
+    for a in dead {
+        starts.remove(&a);
+    }
+    found
 }
 
 /// The block for a received `storage`: the live one over the same memory when there is one
@@ -527,8 +545,11 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     if empty_past_end(&shape, offset, dtype, nbytes) {
         return Ok(false);
     }
-    let in_block = found.is_some_and(|(_, at)| at % dtype.size() == 0);
-    Ok(in_block || moves_into_block(api, &storage, nbytes)?)
+    match found {
+        // See `to_tensor`: inside a block at an offset no handle can say, it is pickled.
+        Some((_, at)) => Ok(at % dtype.size() == 0),
+        None => moves_into_block(api, &storage, nbytes),
+    }
 }
 
 /// Whether a tensor of `shape` with no elements starts past the end of its storage of
@@ -637,8 +658,9 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
             return Ok(None);
         }
         // A storage inside a block at an offset whole elements of `dtype` span is a view
-        // of the block from there (a torch tensor over the middle of a shared array); at
-        // any other offset the block's handle cannot say where it starts, and it moves.
+        // of the block from there (a torch tensor over the middle of a shared array). At
+        // any other offset no handle can say where the tensor starts: it is pickled, with
+        // its storage as a view of the block (`_reduction._Pickler`), still shared.
         let (block, offset) = match found {
             Some((b, at)) if at % dtype.size() == 0 => {
                 let offset = offset
@@ -646,10 +668,11 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
                     .ok_or_else(|| PyValueError::new_err("a tensor's storage offset overflows"))?;
                 (b, offset)
             }
-            _ if moves_into_block(api, &storage, nbytes)? => {
+            Some(_) => return Ok(None),
+            None if moves_into_block(api, &storage, nbytes)? => {
                 (move_storage(py, api, &storage, nbytes, true)?, offset)
             }
-            _ => return Ok(None),
+            None => return Ok(None),
         };
         Tensor::from_storage(block.get().storage.clone(), dtype, &shape, &strides, offset).map_err(to_py)?
     };
@@ -935,4 +958,28 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
         api.t.requires_grad_.bind(py).call1((&out, true))?;
     }
     Ok(out.unbind())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nearest_live_start_is_found_under_any_number_of_dead_ones_which_go() {
+        // A large block now over the memory of many that died: each dead address is
+        // stepped over once, then gone, and the live one below is found.
+        let mut starts: BTreeSet<usize> = (0..1000).map(|k| 4096 + 64 * k).collect();
+        starts.insert(64);
+        let live = |a: usize| (a == 64).then_some("big");
+        assert_eq!(nearest_live(&mut starts, 4096 + 64 * 999 + 10, live), Some(("big", 64)));
+        assert_eq!(starts.iter().copied().collect::<Vec<_>>(), vec![64]);
+        // Nothing live at or below: none, and the dead are gone all the same.
+        let mut starts: BTreeSet<usize> = [128, 256, 4096].into_iter().collect();
+        assert_eq!(nearest_live(&mut starts, 300, |_| None::<()>), None);
+        assert_eq!(starts.iter().copied().collect::<Vec<_>>(), vec![4096]);
+        // A live one above the address is no candidate, and stays.
+        let mut starts: BTreeSet<usize> = [128, 4096].into_iter().collect();
+        assert_eq!(nearest_live(&mut starts, 4000, Some), Some((128, 128)));
+        assert_eq!(starts.len(), 2);
+    }
 }

@@ -5,6 +5,8 @@ tensors with a negative or conjugate bit, dtypes the wire has no kind for, and a
 maps. A case that
 could hang or crash runs in a Python process of its own, under a timeout."""
 
+import textwrap
+
 import pytest
 
 from conftest import LONG, import_torch, reap, run_python
@@ -730,3 +732,71 @@ def test_a_numpy_array_over_a_tensor_in_a_block_is_shared_not_copied(method):
     assert p.exitcode == 0
     seven = [0, 7, 2, 7, 7, 7, 7, 7, 8, 9, 7, 7, 12, 7, 7, 15]
     assert t.tolist() == seven
+
+
+MISALIGNED_IN_A_BLOCK = """
+    import warnings
+    import numpy as np
+    import torch
+    import tensorshare
+    import tensorshare.multiprocessing as mp
+
+    warnings.filterwarnings("ignore", "TypedStorage is deprecated")
+
+    def fill(q, done):
+        t, s, u = q.get()
+        t.fill_(7)
+        s.fill_(8)
+        u.fill_(9)
+        done.put(True)
+
+    if __name__ == "__main__":
+        a = tensorshare.empty_shared_array(64, "uint8")
+        a[...] = 0
+        # float32 elements from byte 1 of the block: no whole number of elements from its
+        # start, so no handle says where it starts.
+        t = torch.from_numpy(a[1:17].view(np.float32))
+        s = torch.from_numpy(a[21:29].view(np.float32)).storage()
+        u = torch.from_numpy(a[33:37]).untyped_storage()
+        before = t.untyped_storage().data_ptr()
+        ctx = mp.get_context("spawn")
+        q, done = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=fill, args=(q, done))
+        p.start()
+        q.put((t, s, u))
+        assert done.get(timeout=60)
+        p.join(60)
+        assert p.exitcode == 0
+        assert t.untyped_storage().data_ptr() == before, "the tensor moved"
+        assert (a[1:17].view(np.float32) == 7).all(), a
+        assert (a[21:29].view(np.float32) == 8).all(), a
+        assert (a[33:37] == 9).all(), a
+        assert a[0] == 0 and (a[17:21] == 0).all() and (a[29:33] == 0).all() and (a[37:] == 0).all(), a
+        print("shared")
+"""
+
+
+@pytest.mark.parametrize("torch_can_move", [True, False])
+def test_a_tensor_inside_a_block_at_an_odd_byte_is_shared_in_place(torch_can_move):
+    # A storage at a byte no whole element reaches from its block's start: the tensor was
+    # moved into a new block (the receiver's writes lost), and under a torch before 2.12
+    # (which cannot move it) its put failed. It is pickled, its storage a view of the block.
+    import_torch()
+    prefix = (
+        ""
+        if torch_can_move
+        else "from tensorshare import _reduction\n_reduction.can_move_in_place = lambda torch: False\n"
+    )
+    out = run_python(prefix + textwrap.dedent(MISALIGNED_IN_A_BLOCK), timeout=3 * LONG)
+    assert out.returncode == 0 and out.stdout.split() == ["shared"], out.stdout + out.stderr
+
+
+def test_a_storage_inside_a_block_named_twice_arrives_as_one_storage():
+    torch = import_torch()
+    import tensorshare
+
+    a = tensorshare.empty_shared_array(16, "float32")
+    middle = torch.from_numpy(a[4:8]).untyped_storage()
+    got = tensorshare.roundtrip([middle, middle, {"again": middle}])
+    assert got[0] is got[1] and got[0] is got[2]["again"]
+    assert got[0].data_ptr() == middle.data_ptr() and got[0].nbytes() == 16

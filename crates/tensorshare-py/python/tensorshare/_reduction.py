@@ -599,10 +599,11 @@ class _Pickler(_Base):
                 return None
             if not _is_ours(untyped) and torch_shares(torch, untyped):
                 return None  # torch's own reduction (reducer_override)
-            view = torch.empty(0, dtype=obj.dtype if typed else torch.uint8)
+            # Its bytes, whatever its dtype: a storage inside a block starts at any byte.
+            view = torch.empty(0, dtype=torch.uint8)
             view.set_(untyped)
             self._inner.append(view)
-            return ("storage", len(self._inner) - 1, typed)
+            return ("storage", len(self._inner) - 1, str(obj.dtype).removeprefix("torch.") if typed else None)
         return None
 
     def reducer_override(self, obj):
@@ -730,6 +731,7 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file, inner):
         super().__init__(file)
         self._inner = inner
+        self._storages = {}  # (address, bytes): a storage over part of a block, made once
 
     def find_class(self, module, name):
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
@@ -741,20 +743,33 @@ class _Unpickler(pickle.Unpickler):
             if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "copy":
                 return _Copy(pid[1], self._inner)
             if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage":
-                view = self._inner[pid[1]]
-                storage = view.untyped_storage()
-                start, n = view.storage_offset() * view.element_size(), view.numel() * view.element_size()
-                if start != 0 or n != storage.nbytes():
-                    # A storage that lay inside a block at its sender (``torch.from_numpy``
-                    # of a view into the middle of a shared array) arrives as a view of
-                    # the block's: the part of it that view covers, sharing its memory.
-                    storage = storage[start : start + n]
-                if pid[2]:
-                    return _torch().TypedStorage(wrap_storage=storage, dtype=view.dtype, _internal=True)
-                return storage
+                storage = self._storage(pid[1])
+                if pid[2] is None:
+                    return storage
+                dtype = getattr(_torch(), pid[2], None) if isinstance(pid[2], str) else None
+                if not isinstance(dtype, _torch().dtype):
+                    raise TypeError(f"no torch dtype {pid[2]!r}")
+                return _torch().TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
             return self._inner[pid]
         except (IndexError, TypeError, AttributeError):
             raise pickle.UnpicklingError(f"a pickle named object {pid!r}, which its message lacks") from None
+
+    def _storage(self, index):
+        """The storage set aside as view ``index``. A storage that lay inside a block
+        at its sender (``torch.from_numpy`` of a view into the middle of a shared array)
+        arrives as a view of the block's storage: the part of it that view covers, sharing
+        its memory, one storage object for each such part however often it is named (a
+        storage over a whole block is the block's own, one object already)."""
+        view = self._inner[index]
+        storage = view.untyped_storage()
+        item = view.element_size()  # (1: the sender sets aside bytes)
+        start, n = view.storage_offset() * item, view.numel() * item
+        if start == 0 and n == storage.nbytes():
+            return storage
+        key = (storage.data_ptr() + start, n)
+        if key not in self._storages:
+            self._storages[key] = storage[start : start + n]
+        return self._storages[key]
 
 
 def dumps(obj):

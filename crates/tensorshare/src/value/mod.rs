@@ -44,7 +44,8 @@ pub enum Value {
     None,
     /// A `bool`.
     Bool(bool),
-    /// An `int` that fits in 64 bits (a bigger one travels as an `Object`).
+    /// An `int` that fits in i64 (one in [2^63, 2^64) is a `UInt`; a bigger one, or one
+    /// below i64, travels as an `Object`).
     Int(i64),
     /// A `float`.
     Float(f64),
