@@ -2,12 +2,11 @@
 //!
 //! A torch tensor whose storage lies in a live [`Block`] (from its start, or inside it at a
 //! whole number of elements) travels as a handle to that block; one whose storage lives
-//! elsewhere is moved into a new block first, once per
-//! storage, unless this torch cannot move it or has it in its own shared memory already
-//! (see [`moves_into_block`]: it is then pickled with torch's own reductions). A received
-//! tensor becomes a torch tensor over the torch storage of its block, one torch storage per
-//! block while it lives, so that tensors received from one storage share one torch storage
-//! here too.
+//! elsewhere is moved into a new block first, once per storage, unless this torch cannot
+//! move it or has it in its own shared memory already (see [`moves_into_block`]: it is then
+//! pickled with torch's own reductions). A received tensor becomes a torch tensor over the
+//! torch storage of its block, one torch storage per block while it lives, so that tensors
+//! received from one storage share one torch storage here too.
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};

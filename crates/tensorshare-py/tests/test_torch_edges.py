@@ -613,6 +613,21 @@ def test_a_nested_tensor_of_the_strided_layout_travels():
     assert p.exitcode == 0
 
 
+def _hand_to_child(ctx, target, value):
+    """Puts ``value`` on a queue for a child of ``ctx`` running ``target(q, done)``, and
+    returns what the child puts on ``done``, once it has exited cleanly (reaped in any case)."""
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=target, args=(q, done))
+    p.start()
+    try:
+        q.put(value)
+        got = done.get(timeout=LONG)
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    return got
+
+
 def _fill_each_with_sevens(q, done):
     for t in q.get():
         t.fill_(7)
@@ -638,16 +653,7 @@ def test_a_torch_tensor_over_the_middle_of_a_shared_array_stays_shared_in_place(
     shared = torch.from_numpy(a[12:15])
     shared.share_memory_()  # in place: already shared memory
     assert middle.is_shared() and as_ints.is_shared() and shared.is_shared()
-    ctx = mp.get_context(method)
-    q, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_fill_each_with_sevens, args=(q, done))
-    p.start()
-    try:
-        q.put([middle, as_ints, shared])
-        assert done.get(timeout=LONG)
-    finally:
-        reap(p)
-    assert p.exitcode == 0
+    assert _hand_to_child(mp.get_context(method), _fill_each_with_sevens, [middle, as_ints, shared])
     np.testing.assert_array_equal(a[:4], [0, 1, 2, 3])
     np.testing.assert_array_equal(a[4:8], [7, 7, 7, 7])
     np.testing.assert_array_equal(a.view(np.int32)[9:11], [7, 7])
@@ -684,15 +690,7 @@ def test_a_storage_over_the_middle_of_a_shared_array_arrives_as_that_part_and_sh
     storage = torch.from_numpy(a[4:8]).untyped_storage()
     typed = torch.from_numpy(a[10:12]).storage()  # a TypedStorage, as torch's own code has
     ctx = (mp if queue == "tensorshare" else torch_mp).get_context("spawn")
-    q, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_fill_storages_with_nines, args=(q, done))
-    p.start()
-    try:
-        q.put([storage, typed])
-        assert done.get(timeout=LONG) == [16, 8]
-    finally:
-        reap(p)
-    assert p.exitcode == 0
+    assert _hand_to_child(ctx, _fill_storages_with_nines, [storage, typed]) == [16, 8]
     nines = np.frombuffer(bytes([9] * 4), dtype=np.float32)[0]  # the untyped one's bytes
     np.testing.assert_array_equal(a[:4], [0, 1, 2, 3])
     np.testing.assert_array_equal(a[4:8], [nines] * 4)
@@ -720,16 +718,7 @@ def test_a_numpy_array_over_a_tensor_in_a_block_is_shared_not_copied(method):
     t = tensorshare.empty_shared((16,), dtype=torch.float32)
     t[...] = torch.arange(16)
     arrays = [t.numpy()[4:8], np.asarray(t)[10:12], t[13:15].numpy(), t.numpy()[3:0:-2]]
-    ctx = mp.get_context(method)
-    q, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_fill_arrays_with_sevens, args=(q, done))
-    p.start()
-    try:
-        q.put(arrays)
-        assert done.get(timeout=LONG)
-    finally:
-        reap(p)
-    assert p.exitcode == 0
+    assert _hand_to_child(mp.get_context(method), _fill_arrays_with_sevens, arrays)
     seven = [0, 7, 2, 7, 7, 7, 7, 7, 8, 9, 7, 7, 12, 7, 7, 15]
     assert t.tolist() == seven
 
