@@ -282,10 +282,23 @@ fn each_object(f: &mut dyn FnMut(&Loaded<'_>) -> bool) {
     }
 
     let mut state = State { f, seen: 0 };
+    // Every fork waits for this read to end (see `READING`).
+    let _reading = crate::util::lock(&READING);
     // SAFETY: the callback matches dl_iterate_phdr's contract and only reads what the
     // loader passes it; `state` outlives the call.
     unsafe { libc::dl_iterate_phdr(Some(callback), (&mut state as *mut State<'_>).cast::<c_void>()) };
 }
+
+/// Held while this process reads the loader's list: glibc locks the list for the read, and
+/// a child forked meanwhile finds that lock held by a thread it lacks, for good (glibc 2.36
+/// does not reset it in the child), so its own first read would wait forever (a child
+/// forked while another thread founded the cleanup group, which reads it to name the
+/// executable to its cleaner, hung so). Taken around every fork, as the layers' other locks
+/// are, so no fork comes in the middle of a read. `f` takes no lock under it.
+static READING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+crate::util::fork::guard_at_load!(crate::util::fork::Rank::Loader, |out| out
+    .push(Box::new(crate::util::lock(&READING))));
 
 #[cfg(test)]
 mod tests {

@@ -52,6 +52,11 @@ pub(crate) enum Rank {
     /// taken under it).
     #[cfg(feature = "dlpack")]
     Interop,
+    /// Held while a thread reads the dynamic loader's list of objects (`dl_iterate_phdr`,
+    /// see `process::image`), with nothing taken under it: glibc holds a lock of its own
+    /// meanwhile, which a child forked then finds held for good (glibc 2.36 does not reset
+    /// it), and waits for at its own first read.
+    Loader,
 }
 
 impl Rank {
@@ -67,6 +72,7 @@ impl Rank {
         Rank::Arenas,
         #[cfg(feature = "dlpack")]
         Rank::Interop,
+        Rank::Loader,
     ];
 }
 
