@@ -322,8 +322,13 @@ pub(crate) fn block_covering<'py>(py: Python<'py>, addr: usize, nbytes: usize) -
     let end = addr.checked_add(nbytes)?;
     let found = with_registry(|r| {
         let Registry { blocks, starts, .. } = r;
-        // Runs no Python code (see `live`): a live block's new reference is returned.
-        nearest_live(starts, addr, |start| live(py, blocks, start))
+        // Runs no Python code (see `live`): a live block's new reference is returned. A
+        // block at `addr` itself (the common case: a storage moved or made whole in one) is
+        // found by the hash first, without a walk down the ordered set.
+        match live(py, blocks, addr) {
+            Some(b) => Some((b, addr)),
+            None => nearest_live(starts, addr, |start| live(py, blocks, start)),
+        }
     });
     let (b, start) = found?;
     let b = b.cast_into::<Block>().ok()?;
