@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -254,56 +255,86 @@ fn record(
     new: bool,
     storage: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    use pyo3::types::PyWeakrefMethods;
-    let addr = block.get().storage.data_ptr();
-    if block.get().storage.is_empty() {
-        return Ok(());
+    if let Some(recording) = Recording::new(block, new, storage)? {
+        recording.commit(py, block);
     }
-    // Made before the lock is taken: their allocation may run the GC (see `with_registry`).
-    let weak_block = if new { Some(PyWeakrefReference::new(block)?.unbind()) } else { None };
-    let weak_storage = storage.map(PyWeakrefReference::new).transpose()?.map(Bound::unbind);
-    let len = block.get().storage.len();
-    let gone = with_registry(|registry| {
-        // Two live blocks may be at one address: a message naming a slot this process maps
-        // already is mapped there again. The one recorded stays while it lives, unless the
-        // new one is larger (it covers every storage the other does); replaced by one that
-        // went first, the address named no block while the other lived, and a storage over
-        // it was moved out of its shared memory when next sent. `upgrade` of a live object
-        // returns a reference that goes at once, leaving the object as it was.
-        let keep = live(py, &registry.blocks, addr)
-            .and_then(|b| b.cast_into::<Block>().ok())
-            .is_some_and(|b| !b.is(block) && b.get().storage.len() >= len);
-        // A block not recorded has its torch storage not recorded either: the address's
-        // storage stays the recorded block's. What is not recorded goes after the lock.
-        let replaced = if keep {
-            [weak_block, weak_storage]
-        } else {
-            if weak_block.is_some() {
-                registry.starts.insert(addr);
-            }
-            [
-                weak_block.and_then(|w| registry.blocks.insert(addr, w)),
-                weak_storage.and_then(|w| registry.storages.insert(addr, w)),
-            ]
-        };
-        let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
-        let total = registry.blocks.len() + registry.storages.len();
-        if total > 2 * registry.swept_at.max(SWEEP_FROM / 2) {
-            for map in [&mut registry.blocks, &mut registry.storages] {
-                // `upgrade` of a live object returns a reference that goes at once, leaving
-                // the object as it was; the dead ones' weak references go after the lock.
-                let dead: Vec<usize> =
-                    map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
-                swept.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
-            }
-            let blocks = &registry.blocks;
-            registry.starts.retain(|a| blocks.contains_key(a));
-            registry.swept_at = registry.blocks.len() + registry.storages.len();
-        }
-        (replaced, swept)
-    });
-    drop(gone);
     Ok(())
+}
+
+/// What [`record`] records, made before anything is: the weak references, whose allocation
+/// may start a collection, and so run finalisers, which may send tensors. A move makes it
+/// before it swaps a storage's memory and commits it right after, with no Python code run
+/// in between, so that no code finds the storage in a block that is not recorded yet (and
+/// moves it again).
+struct Recording {
+    weak_block: Option<Py<PyWeakrefReference>>,
+    weak_storage: Option<Py<PyWeakrefReference>>,
+}
+
+impl Recording {
+    /// `None` for an empty block, which is not recorded.
+    fn new(
+        block: &Bound<'_, Block>,
+        new: bool,
+        storage: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Recording>> {
+        if block.get().storage.is_empty() {
+            return Ok(None);
+        }
+        let weak_block = if new { Some(PyWeakrefReference::new(block)?.unbind()) } else { None };
+        let weak_storage = storage.map(PyWeakrefReference::new).transpose()?.map(Bound::unbind);
+        Ok(Some(Recording { weak_block, weak_storage }))
+    }
+
+    /// Records what was made for `block`. Runs no Python code: what it lets go are weak
+    /// references, which run none when they go, and nothing is allocated that the garbage
+    /// collector counts.
+    fn commit(self, py: Python<'_>, block: &Bound<'_, Block>) {
+        use pyo3::types::PyWeakrefMethods;
+        let Recording { weak_block, weak_storage } = self;
+        let addr = block.get().storage.data_ptr();
+        let len = block.get().storage.len();
+        let gone = with_registry(|registry| {
+            // Two live blocks may be at one address: a message naming a slot this process maps
+            // already is mapped there again. The one recorded stays while it lives, unless the
+            // new one is larger (it covers every storage the other does); replaced by one that
+            // went first, the address named no block while the other lived, and a storage over
+            // it was moved out of its shared memory when next sent. `upgrade` of a live object
+            // returns a reference that goes at once, leaving the object as it was.
+            let keep = live(py, &registry.blocks, addr)
+                .and_then(|b| b.cast_into::<Block>().ok())
+                .is_some_and(|b| !b.is(block) && b.get().storage.len() >= len);
+            // A block not recorded has its torch storage not recorded either: the address's
+            // storage stays the recorded block's. What is not recorded goes after the lock.
+            let replaced = if keep {
+                [weak_block, weak_storage]
+            } else {
+                if weak_block.is_some() {
+                    registry.starts.insert(addr);
+                }
+                [
+                    weak_block.and_then(|w| registry.blocks.insert(addr, w)),
+                    weak_storage.and_then(|w| registry.storages.insert(addr, w)),
+                ]
+            };
+            let mut swept: Vec<Py<PyWeakrefReference>> = Vec::new();
+            let total = registry.blocks.len() + registry.storages.len();
+            if total > 2 * registry.swept_at.max(SWEEP_FROM / 2) {
+                for map in [&mut registry.blocks, &mut registry.storages] {
+                    // `upgrade` of a live object returns a reference that goes at once, leaving
+                    // the object as it was; the dead ones' weak references go after the lock.
+                    let dead: Vec<usize> =
+                        map.iter().filter(|(_, w)| w.bind(py).upgrade().is_none()).map(|(&a, _)| a).collect();
+                    swept.extend(dead.into_iter().filter_map(|a| map.remove(&a)));
+                }
+                let blocks = &registry.blocks;
+                registry.starts.retain(|a| blocks.contains_key(a));
+                registry.swept_at = registry.blocks.len() + registry.storages.len();
+            }
+            (replaced, swept)
+        });
+        drop(gone);
+    }
 }
 
 /// The live block at `addr`, if there is one.
@@ -695,6 +726,15 @@ const MOVE_NEEDS_SWAP: &str =
     can, by UntypedStorage._swap_data_ptr_): use torch's own share_memory_(), or make the tensor with \
     tensorshare.empty_shared";
 
+/// How many storages this process has moved into blocks. A small storage's move takes no
+/// claim (see [`Moving`]), and makes the tensor over its new block before the swap, an
+/// allocation that may start a collection, whose finalisers run Python code: one that sends
+/// or shares the same storage moves it first, and this move must then give that block, not
+/// move the storage again (the message sent would name a block the storage no longer uses).
+/// The count tells such a move that something moved meanwhile. Read and written with the
+/// GIL held, whose hand-over between threads orders them.
+static MOVES: AtomicU64 = AtomicU64::new(0);
+
 /// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
 /// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
 /// (about 2 µs) only small storages notice.
@@ -740,9 +780,20 @@ pub(crate) fn move_storage<'py>(
             Err(block) => return Ok(block),
         }
     };
+    let moves = MOVES.load(Ordering::Relaxed);
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     let flat = flat_tensor(py, api, &block, DType::U8)?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
+    // Made before the swap, committed right after it (see `Recording`).
+    let recording = Recording::new(&block, true, Some(storage))?;
+    // Moved by Python code run meanwhile (see `MOVES`; a large storage's claim covers it):
+    // that block. From this look to the swap only torch's C methods run, which run no
+    // Python code (see `copy_out`).
+    if here && MOVES.load(Ordering::Relaxed) != moves {
+        if let Some(block) = block_at_start(py, api, storage)? {
+            return Ok(block);
+        }
+    }
     // The storage takes the block's memory, and the reference to the block that keeps it
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
     // copied after the swap when few (see `copy_out`), else before it by torch, under its
@@ -770,7 +821,10 @@ pub(crate) fn move_storage<'py>(
         api.storage_copy.call1(&fresh, storage)?;
         swap.call1(storage, &fresh)?;
     }
-    record(py, &block, true, Some(storage))?;
+    if let Some(recording) = recording {
+        recording.commit(py, &block);
+    }
+    MOVES.fetch_add(1, Ordering::Relaxed);
     Ok(block)
 }
 

@@ -789,3 +789,72 @@ def test_a_storage_inside_a_block_named_twice_arrives_as_one_storage():
     got = tensorshare.roundtrip([middle, middle, {"again": middle}])
     assert got[0] is got[1] and got[0] is got[2]["again"]
     assert got[0].data_ptr() == middle.data_ptr() and got[0].nbytes() == 16
+
+
+SENT_AGAIN_DURING_ITS_MOVE = """
+    import gc
+    import torch
+    import tensorshare.multiprocessing as mp
+
+    def child(q, back):
+        while True:
+            got = []
+            while (t := q.get()) != "end":
+                if t is None:
+                    return
+                got.append(t)
+            for i, t in enumerate(got):  # each message's tensor writes an element of its own
+                t[i] = i + 1
+            back.put(len(got))
+
+    class Cycle:
+        armed = None
+        def __init__(self):
+            self.me = self
+        def __del__(self):
+            if Cycle.armed is not None:
+                t, Cycle.armed = Cycle.armed, None
+                q.put(t)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q, back = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child, args=(q, back))
+        p.start()
+        wrong, twice = [], 0
+        for threshold in range(1, 40):
+            t = torch.zeros(16)
+            gc.collect()
+            gc.disable()
+            Cycle.armed = t
+            Cycle()
+            gc.enable()
+            gc.set_threshold(threshold)
+            q.put(t)
+            gc.set_threshold(700)
+            Cycle.armed = None
+            gc.collect()
+            q.put("end")
+            n = back.get(timeout=60)
+            twice += n == 2
+            if t[:n].tolist() != [float(i + 1) for i in range(n)]:
+                wrong.append((threshold, t[:n].tolist()))
+        q.put(None)
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+        print(wrong)
+        print(twice)
+"""
+
+
+def test_a_tensor_sent_again_by_a_finaliser_in_the_middle_of_its_move_is_moved_once():
+    # A small storage's move ran Python code (a collection, started by the allocation of
+    # the tensor made over the new block) between finding the storage in no block and
+    # swapping its memory: a finaliser that sent the same tensor then moved it into another
+    # block first, so one of the two messages named a block the tensor no longer used, and
+    # the receiver's writes through it were lost.
+    import_torch()
+    out = run_python(textwrap.dedent(SENT_AGAIN_DURING_ITS_MOVE), timeout=3 * LONG)
+    assert out.returncode == 0, out.stdout + out.stderr
+    wrong, twice = out.stdout.split("\n")[:2]
+    assert wrong == "[]" and int(twice) > 0, out.stdout
