@@ -154,6 +154,16 @@ fn block_covering(py: Python<'_>, address: usize, nbytes: usize) -> Option<(Boun
     torch::block_covering(py, address, nbytes)
 }
 
+/// A torch storage over bytes `start..start + n` of the live block at `address` (torch must
+/// be imported; see `torch::part_storage`).
+#[pyfunction]
+fn block_part<'py>(py: Python<'py>, address: usize, start: usize, n: usize) -> PyResult<Bound<'py, PyAny>> {
+    let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
+    let block = torch::find_block(py, address)
+        .ok_or_else(|| PyValueError::new_err(format!("no live block at {address:#x}")))?;
+    torch::part_storage(py, api, &block, start, n)
+}
+
 /// The torch storage over `block` (one per block while it lives; torch must be imported).
 #[pyfunction]
 fn torch_storage<'py>(py: Python<'py>, block: &Bound<'py, Block>) -> PyResult<Bound<'py, PyAny>> {
@@ -290,6 +300,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_block, m)?)?;
     m.add_function(wrap_pyfunction!(block_covering, m)?)?;
     m.add_function(wrap_pyfunction!(torch_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(block_part, m)?)?;
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(refuse_mapped_file, m)?)?;
     m.add_function(wrap_pyfunction!(flush_queues, m)?)?;

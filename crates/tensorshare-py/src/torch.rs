@@ -488,6 +488,34 @@ fn flat_tensor<'py>(
     api.frombuffer.bind(py).call((block,), Some(&kwargs))
 }
 
+/// A torch storage over bytes `start..start + n` of `block` (`n` at least one), whose memory
+/// holds the block itself: a storage received as a part of a block. Not a slice of the
+/// block's torch storage ([`storage_of`]): a slice holds that storage, not the block, and
+/// torch may give the storage other memory (its `share_memory_()` and reductions do), which
+/// lets the block go while the slice still points into it. Made by torch's own
+/// `frombuffer`, which holds the block through the buffer it reads until torch frees the
+/// storage.
+pub(crate) fn part_storage<'py>(
+    py: Python<'py>,
+    api: &Api,
+    block: &Bound<'py, Block>,
+    start: usize,
+    n: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let len = block.get().storage.len();
+    if n == 0 || start.checked_add(n).is_none_or(|end| end > len) {
+        return Err(PyValueError::new_err(format!(
+            "bytes {start}.. ({n} of them) are no part of a block of {len} bytes"
+        )));
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item(api.key_dtype.bind(py), api.dtypes[dtype_index(DType::U8)].bind(py))?;
+    kwargs.set_item(PyString::new(py, "offset"), start)?;
+    kwargs.set_item(PyString::new(py, "count"), n)?;
+    let part = api.frombuffer.bind(py).call((block,), Some(&kwargs))?;
+    api.t.untyped_storage.call0(&part)
+}
+
 /// The place of `dtype` in [`DType::ALL`] (and so of its torch dtype in [`Api::dtypes`]).
 fn dtype_index(dtype: DType) -> usize {
     DType::ALL.iter().position(|d| *d == dtype).expect("every dtype is in DType::ALL")

@@ -858,3 +858,60 @@ def test_a_tensor_sent_again_by_a_finaliser_in_the_middle_of_its_move_is_moved_o
     assert out.returncode == 0, out.stdout + out.stderr
     wrong, twice = out.stdout.split("\n")[:2]
     assert wrong == "[]" and int(twice) > 0, out.stdout
+
+
+def test_a_part_of_a_block_received_keeps_its_block_after_the_blocks_own_storage_moves_away():
+    # A storage received as a part of a block (a tensor at an odd byte is pickled, its
+    # storage set aside as bytes) was a slice of the block's torch storage: it held that
+    # storage, not the block. Once torch moved that storage into its own shared memory
+    # (`_share_fd_cpu_`, what torch's own share_memory_() and reductions run), the block was
+    # let go while the part still pointed into it, and its slot was handed out again.
+    import gc
+
+    import numpy as np
+
+    import tensorshare
+    from tensorshare import _native, _reduction
+
+    torch = import_torch()
+    a = tensorshare.empty_shared_array(4096, "uint8")
+    a[...] = 1
+    block = a.base
+    r = tensorshare.roundtrip(torch.from_numpy(a[1:17].view(np.int16)))
+    assert r.tolist() == [257] * 8
+    part = r.untyped_storage()
+    assert part.data_ptr() == block.address + 1 and part.nbytes() == 16
+    own = _reduction.torch_storage(block)
+    own._share_fd_cpu_()
+    assert own.data_ptr() != block.address  # torch did move it
+    address = block.address
+    del a, block, own
+    gc.collect()
+    found = _native.block_covering(part.data_ptr(), part.nbytes())
+    assert found is not None and found[0].address == address and found[1] == 1
+    # No new block is made over the part's bytes while it lives.
+    news = [tensorshare.empty_shared_array(4096, "uint8") for _ in range(256)]
+    for n in news:
+        start = n.__array_interface__["data"][0]
+        assert start + 4096 <= part.data_ptr() or start >= part.data_ptr() + part.nbytes()
+    r[...] = 7
+    assert r.tolist() == [7] * 8
+
+
+def test_a_part_of_a_block_arrives_as_one_storage_in_every_place_and_message_while_it_lives():
+    # Each item of a list is pickled on its own, with a cache of parts of its own: a tensor
+    # at an odd byte of a block, sent twice in one list, arrived over two torch storages
+    # (over the same memory), where torch gives one storage while it lives.
+    import numpy as np
+
+    import tensorshare
+
+    torch = import_torch()
+    a = tensorshare.empty_shared_array(64, "uint8")
+    t = torch.from_numpy(a[1:17].view(np.int16))
+    first, second = tensorshare.roundtrip([t, t])
+    assert first.untyped_storage()._cdata == second.untyped_storage()._cdata
+    again = tensorshare.roundtrip(t)
+    assert again.untyped_storage()._cdata == first.untyped_storage()._cdata
+    first[0] = 3
+    assert again[0] == 3 and a[1:3].view(np.int16)[0] == 3

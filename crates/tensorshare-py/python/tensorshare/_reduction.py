@@ -14,6 +14,7 @@ import pickle
 import reprlib
 import sys
 import types
+import weakref
 from multiprocessing.reduction import ForkingPickler
 
 from . import _native
@@ -727,11 +728,18 @@ def _rebuild_tensor_v3(storage, *args, **kwargs):
     return torch._utils._rebuild_tensor_v3(storage, *args, **kwargs)
 
 
+# The storages received as parts of blocks, by (address, bytes): one storage object for
+# each part while it lives, as torch gives one storage for each storage it receives. (The
+# items of a list are pickled each on its own, so an unpickler's own memo does not see a
+# part that two of them name.) Its parts hold their blocks, so no other block is at their
+# address while they live.
+_parts = weakref.WeakValueDictionary()
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, inner):
         super().__init__(file)
         self._inner = inner
-        self._storages = {}  # (address, bytes): a storage over part of a block, made once
 
     def find_class(self, module, name):
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
@@ -758,18 +766,28 @@ class _Unpickler(pickle.Unpickler):
         """The storage set aside as view ``index``. A storage that lay inside a block
         at its sender (``torch.from_numpy`` of a view into the middle of a shared array)
         arrives as a view of the block's storage: the part of it that view covers, sharing
-        its memory, one storage object for each such part however often it is named (a
-        storage over a whole block is the block's own, one object already)."""
+        its memory, one storage object for each such part while it lives, however often
+        and in however many messages it is named (see ``_parts``; a storage over a whole
+        block is the block's own, one object already)."""
         view = self._inner[index]
         storage = view.untyped_storage()
         item = view.element_size()  # (1: the sender sets aside bytes)
         start, n = view.storage_offset() * item, view.numel() * item
         if start == 0 and n == storage.nbytes():
             return storage
+        if n == 0:
+            return _torch().UntypedStorage(0)
         key = (storage.data_ptr() + start, n)
-        if key not in self._storages:
-            self._storages[key] = storage[start : start + n]
-        return self._storages[key]
+        part = _parts.get(key)
+        # One that torch gave other memory since is no longer that part.
+        if part is None or part.data_ptr() != key[0] or part.nbytes() != n:
+            # Over the block itself, which it keeps alive: not a slice of the block's torch
+            # storage, which holds that storage and not the block (torch may give the
+            # storage other memory, its share_memory_() does, and the block would go while
+            # the part still pointed into it).
+            part = _native.block_part(storage.data_ptr(), start, n)
+            _parts[key] = part
+        return part
 
 
 def dumps(obj):
