@@ -915,3 +915,26 @@ def test_a_part_of_a_block_arrives_as_one_storage_in_every_place_and_message_whi
     assert again.untyped_storage()._cdata == first.untyped_storage()._cdata
     first[0] = 3
     assert again[0] == 3 and a[1:3].view(np.int16)[0] == 3
+
+
+def _fill_complex_with_fives(q, done):
+    z, s = q.get()
+    z.fill_(5 + 5j)
+    s.fill_(6 - 6j)
+    done.put(True)
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_complex_tensor_in_shared_memory_is_shared_not_copied(method):
+    # The wire has no complex dtype, so such a tensor is pickled by torch's reduction; its
+    # TypedStorage was then refused as a handle for its dtype and pickled by torch as a copy
+    # of its bytes: the receiver's writes were lost, though is_shared() was true.
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    z = torch.zeros(4, dtype=torch.complex64).share_memory_()
+    s = torch.zeros(2, dtype=torch.complex128).share_memory_().storage()
+    assert _hand_to_child(mp.get_context(method), _fill_complex_with_fives, (z[1:3], s))
+    assert z.tolist() == [0, 5 + 5j, 5 + 5j, 0]
+    assert s.tolist() == [6 - 6j, 6 - 6j]

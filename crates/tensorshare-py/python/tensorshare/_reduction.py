@@ -35,19 +35,6 @@ _NUMPY_NAMES = {
     "float32": "float32",
     "float64": "float64",
 }
-_TORCH_NAMES = {
-    "torch.bool": "bool",
-    "torch.uint8": "uint8",
-    "torch.int8": "int8",
-    "torch.int16": "int16",
-    "torch.int32": "int32",
-    "torch.int64": "int64",
-    "torch.float16": "float16",
-    "torch.bfloat16": "bfloat16",
-    "torch.float32": "float32",
-    "torch.float64": "float64",
-}
-
 NON_LEAF_REFUSED = (
     "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
     "does not support crossing process boundaries.  If you just want to transfer the data, "
@@ -596,7 +583,9 @@ class _Pickler(_Base):
             # A storage travels as a tensor over all of it, so it is shared, not copied.
             typed = isinstance(obj, torch.TypedStorage)
             untyped = obj._untyped_storage if typed else obj  # (TypedStorage's own getters warn)
-            if untyped.device.type != "cpu" or (typed and str(obj.dtype) not in _TORCH_NAMES):
+            # Any dtype: its bytes travel, and its dtype by name (a complex storage, which
+            # no handle's dtype is, too: refused here, torch's pickling copied it).
+            if untyped.device.type != "cpu":
                 return None
             if not _is_ours(untyped) and torch_shares(torch, untyped):
                 return None  # torch's own reduction (reducer_override)
