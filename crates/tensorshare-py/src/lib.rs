@@ -195,7 +195,8 @@ fn empty_shared_tensor<'py>(
 }
 
 /// Moves a CPU torch storage into a new block in place (as torch's `share_memory_()`, see
-/// `torch::move_storage`) and returns the block.
+/// `torch::move_storage`) and returns the block; one in a block already (another thread
+/// moved it since the caller looked) stays there, and that block is returned.
 #[pyfunction]
 fn move_storage<'py>(py: Python<'py>, storage: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Block>> {
     let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;

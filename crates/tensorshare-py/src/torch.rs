@@ -716,6 +716,8 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         let strides = usizes(&a.stride.call0(obj)?)?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
         let storage = a.untyped_storage.call0(obj)?;
+        // Read before the look: a move made after it is seen by the move below (`MOVES`).
+        let moves = MOVES.load(Ordering::Relaxed);
         let (found, nbytes) = block_of(py, api, &storage)?;
         if empty_past_end(&shape, offset, dtype, nbytes) {
             return Ok(None);
@@ -733,7 +735,7 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
             }
             Some(_) => return Ok(None),
             None if moves_into_block(api, &storage, nbytes)? => {
-                (move_storage(py, api, &storage, nbytes, true)?, offset)
+                (move_storage(py, api, &storage, nbytes, true, moves)?, offset)
             }
             None => return Ok(None),
         };
@@ -755,12 +757,15 @@ const MOVE_NEEDS_SWAP: &str =
     tensorshare.empty_shared";
 
 /// How many storages this process has moved into blocks. A small storage's move takes no
-/// claim (see [`Moving`]), and makes the tensor over its new block before the swap, an
-/// allocation that may start a collection, whose finalisers run Python code: one that sends
-/// or shares the same storage moves it first, and this move must then give that block, not
-/// move the storage again (the message sent would name a block the storage no longer uses).
-/// The count tells such a move that something moved meanwhile. Read and written with the
-/// GIL held, whose hand-over between threads orders them.
+/// claim (see [`Moving`]), and Python code may run between its caller's finding the storage
+/// in no block and its swap: the caller's own (`share_memory_()`, during which another
+/// thread may take the GIL and send the storage), or a finaliser run by a collection that
+/// the allocation of the tensor over the new block starts. Code that sends or shares the
+/// same storage meanwhile moves it first, and this move must then give that block, not
+/// move the storage again (the message sent would name a block the storage no longer
+/// uses). The count, read by the caller before it looks, tells such a move that something
+/// moved since. Read and written with the GIL held, whose hand-over between threads orders
+/// them.
 static MOVES: AtomicU64 = AtomicU64::new(0);
 
 /// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
@@ -768,27 +773,35 @@ static MOVES: AtomicU64 = AtomicU64::new(0);
 /// (about 2 µs) only small storages notice.
 const COPY_HERE_MAX: usize = 64 * 1024;
 
-/// [`move_storage`] of the whole of `storage`, its size as torch's C method reports it.
+/// [`move_storage`] of the whole of `storage`, its size as torch's C method reports it, for
+/// Python code that found it in no block: the block it is in when it is in one now (another
+/// thread may have moved it since, a `put` between that look and this call), so that it is
+/// not moved again.
 pub(crate) fn move_storage_whole<'py>(
     py: Python<'py>,
     api: &Api,
     storage: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, Block>> {
-    let nbytes: usize = api.storage_nbytes.call0(storage)?.extract()?;
-    move_storage(py, api, storage, nbytes, false)
+    let moves = MOVES.load(Ordering::Relaxed);
+    match block_of(py, api, storage)? {
+        (Some((block, _)), _) => Ok(block),
+        (None, nbytes) => move_storage(py, api, storage, nbytes, false, moves),
+    }
 }
 
 /// Moves torch `storage` (of `nbytes`, on the CPU) into a new block, in place as torch's
 /// `share_memory_()` does: the storage takes the block's memory, so every tensor viewing it
 /// follows. A torch before 2.12 cannot swap a storage's memory: the move is refused there,
 /// with what to do instead, and the storage is left as it was. `on_cpu`: the caller has seen
-/// that the storage is on the CPU (a CPU tensor's), which is then not asked again.
+/// that the storage is on the CPU (a CPU tensor's), which is then not asked again. `moves`:
+/// [`MOVES`] when the caller found the storage in no block, read before it looked.
 pub(crate) fn move_storage<'py>(
     py: Python<'py>,
     api: &Api,
     storage: &Bound<'py, PyAny>,
     nbytes: usize,
     on_cpu: bool,
+    moves: u64,
 ) -> PyResult<Bound<'py, Block>> {
     if nbytes == 0 {
         return Bound::new(py, crate::empty_block(py, nbytes)?);
@@ -808,13 +821,13 @@ pub(crate) fn move_storage<'py>(
             Err(block) => return Ok(block),
         }
     };
-    let moves = MOVES.load(Ordering::Relaxed);
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
     let flat = flat_tensor(py, api, &block, DType::U8)?;
     let fresh = api.t.untyped_storage.call0(&flat)?;
     // Made before the swap, committed right after it (see `Recording`).
     let recording = Recording::new(&block, true, Some(storage))?;
-    // Moved by Python code run meanwhile (see `MOVES`; a large storage's claim covers it):
+    // Moved since the caller looked, by Python code run meanwhile (see `MOVES`) or by
+    // another thread while such code let the GIL go (a large storage's claim covers it):
     // that block. From this look to the swap only torch's C methods run, which run no
     // Python code (see `copy_out`).
     if here && MOVES.load(Ordering::Relaxed) != moves {

@@ -938,3 +938,39 @@ def test_a_complex_tensor_in_shared_memory_is_shared_not_copied(method):
     assert _hand_to_child(mp.get_context(method), _fill_complex_with_fives, (z[1:3], s))
     assert z.tolist() == [0, 5 + 5j, 5 + 5j, 0]
     assert s.tolist() == [6 - 6j, 6 - 6j]
+
+@pytest.mark.parametrize("size", [4, 1 << 15])  # copied into its block here, and by torch
+def test_a_tensor_another_thread_sends_while_share_memory_decides_is_moved_once(size, monkeypatch):
+    # share_memory_() looks whether the storage is in a block, in Python, and then moves it:
+    # another thread may take the GIL in between and send the tensor, which moves it first.
+    # The second move then moved it again, into another block, so the message named a block
+    # the tensor no longer used and the receiver's writes were lost. The other thread's send
+    # is made here at the point where share_memory_() asks torch's strategy, after its look.
+    import tensorshare.multiprocessing as mp
+    from tensorshare import _reduction
+
+    torch = import_torch()
+    ctx = mp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fill_with_sevens, args=(q, back))
+    p.start()
+    try:
+        t = torch.zeros(size)
+        strategy = _reduction._torch_strategy
+        sent = []
+
+        def another_thread_sends():
+            if not sent:
+                q.put(t)
+                sent.append(t.untyped_storage().data_ptr())
+            return strategy()
+
+        monkeypatch.setattr(_reduction, "_torch_strategy", another_thread_sends)
+        t.share_memory_()
+        assert sent and t.untyped_storage().data_ptr() == sent[0]
+        assert back.get(timeout=LONG) == 7.0 * size
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    assert t.sum().item() == 7.0 * size
+

@@ -65,7 +65,8 @@ def torch_storage(block):
 
 def move_storage(storage):
     """Moves the CPU torch ``storage`` into a new block and returns the block: in place, as
-    torch's ``share_memory_()`` does, so every tensor viewing that storage follows."""
+    torch's ``share_memory_()`` does, so every tensor viewing that storage follows. One
+    in a block already (another thread sent it since the caller looked) stays there."""
     return _native.move_storage(storage)
 
 
