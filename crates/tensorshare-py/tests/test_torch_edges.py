@@ -400,7 +400,7 @@ def test_functions_put_in_place_of_those_that_make_a_tensor_over_a_block_are_not
 def _fake_torch(can_swap):
     """A stand-in for the parts of torch ``patch_torch`` touches: ``UntypedStorage`` with
     torch's two methods, under a ``StorageBase`` that has ``_swap_data_ptr_`` (torch >= 2.12)
-    or not."""
+    or not, and ``Tensor`` with its two resizes."""
     import types
 
     base = type("StorageBase", (), {"_swap_data_ptr_": lambda self, other: None} if can_swap else {})
@@ -412,7 +412,10 @@ def _fake_torch(can_swap):
         def share_memory_(self):
             return "torch's own"
 
-    return types.SimpleNamespace(UntypedStorage=UntypedStorage, _C=types.SimpleNamespace(StorageBase=base))
+    tensor = type("Tensor", (), {"resize_": lambda self, *size: self, "resize_as_": lambda self, other: self})
+    return types.SimpleNamespace(
+        UntypedStorage=UntypedStorage, Tensor=tensor, _C=types.SimpleNamespace(StorageBase=base)
+    )
 
 
 @pytest.mark.parametrize("can_swap", [True, False])
@@ -939,6 +942,7 @@ def test_a_complex_tensor_in_shared_memory_is_shared_not_copied(method):
     assert z.tolist() == [0, 5 + 5j, 5 + 5j, 0]
     assert s.tolist() == [6 - 6j, 6 - 6j]
 
+
 @pytest.mark.parametrize("size", [4, 1 << 15])  # copied into its block here, and by torch
 def test_a_tensor_another_thread_sends_while_share_memory_decides_is_moved_once(size, monkeypatch):
     # share_memory_() looks whether the storage is in a block, in Python, and then moves it:
@@ -974,3 +978,28 @@ def test_a_tensor_another_thread_sends_while_share_memory_decides_is_moved_once(
     assert p.exitcode == 0
     assert t.sum().item() == 7.0 * size
 
+
+def test_a_failed_resize_of_a_tensor_over_a_block_keeps_its_shape():
+    # torch sets the new shape before it finds the storage cannot grow, and raises with it
+    # kept: a write through the tensor then reached past its block, into the next slot of
+    # the arena (another tensor's, maybe another process's). No block can grow.
+    import tensorshare
+
+    torch = import_torch()
+    made = tensorshare.empty_shared((4,), dtype=torch.float32)
+    moved = torch.zeros(2, 2).share_memory_()
+    received = tensorshare.roundtrip(torch.zeros(6))[1:5]
+    for t in (made, moved, received):
+        shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+        t.fill_(3)
+        with pytest.raises(RuntimeError, match="not resizable"):
+            t.resize_(64)
+        with pytest.raises(RuntimeError, match="not resizable"):
+            t.resize_as_(torch.empty(8, 8))
+        assert (t.shape, t.stride(), t.storage_offset()) == (shape, stride, offset)
+        assert t.eq(3).all()
+    # Resizes that need no more memory still work.
+    made.resize_(2)
+    assert made.shape == (2,)
+    moved.resize_as_(torch.empty(4))
+    assert moved.shape == (4,) and moved.eq(3).all()

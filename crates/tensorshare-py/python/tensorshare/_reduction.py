@@ -123,7 +123,52 @@ def patch_torch(torch):
     if can_move_in_place(torch):
         cls.share_memory_ = share_memory_
     _teach_torch_queues(torch)
+    _guard_failed_resizes(torch)
     cls._tensorshare_patched = True
+
+
+def _guard_failed_resizes(torch):
+    """Makes a failed ``resize_`` or ``resize_as_`` of a CPU tensor over a block leave its
+    shape as it was. torch sets a tensor's new geometry before it finds that the storage
+    cannot grow, and raises with the new geometry kept, so that the next write through the
+    tensor reaches past its storage. No storage in a block can grow (its memory is a slot of
+    an arena), and the bytes past it are other blocks', which other processes may hold: a
+    write there was silent corruption of their tensors. (Ops given an ``out=`` tensor resize
+    it in torch's C++, which no Python method sees: give them one of the right shape.)"""
+    tensor = torch.Tensor
+    for name in ("resize_", "resize_as_"):
+        torch_method = getattr(tensor, name)
+        if getattr(torch_method, "_tensorshare", False):
+            continue
+
+        def method(self, *args, _torch_method=torch_method, **kwargs):
+            try:
+                before = _geometry_in_block(torch, self)
+            except Exception:  # a tensor with no strides or storage to look at
+                before = None
+            try:
+                return _torch_method(self, *args, **kwargs)
+            except RuntimeError:
+                if before is not None and (self.size(), self.stride()) != before[2:]:
+                    with torch.no_grad():
+                        self.set_(*before)
+                raise
+
+        method._tensorshare = True
+        method.__name__ = name
+        method.__doc__ = torch_method.__doc__
+        setattr(tensor, name, method)
+
+
+def _geometry_in_block(torch, t):
+    """The storage, shape, strides and offset of ``t`` when it is a strided CPU tensor over
+    a block (what ``set_`` takes to put them back); None for any other."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
+        return None
+    storage = t.untyped_storage()
+    if not storage.nbytes() or not _is_ours(storage):
+        return None
+    return storage, t.storage_offset(), t.size(), t.stride()
 
 
 def _teach_torch_queues(torch):
