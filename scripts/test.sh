@@ -8,7 +8,9 @@
 # installed, the tests that need it are skipped and say why.
 #
 # Arguments go to pytest (e.g. `scripts/test.sh -k queue`); TENSORSHARE_SKIP_RUST=1 runs the
-# Python part only.
+# Python part only. pytest runs its tests in TENSORSHARE_PYTEST_WORKERS processes (2 unless
+# set; pytest-xdist): most of a test's time is its children starting and waiting, and every
+# test names its queues, segments and children apart from the others'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,4 +63,4 @@ rm -f "$log"
 
 "$venv/bin/ruff" check --quiet crates/tensorshare-py/python crates/tensorshare-py/tests crates/tensorshare-py/examples benches/python
 "$venv/bin/ruff" format --quiet --check crates/tensorshare-py/python crates/tensorshare-py/tests crates/tensorshare-py/examples benches/python
-"$venv/bin/python" -m pytest -q crates/tensorshare-py/tests "$@"
+"$venv/bin/python" -m pytest -q -n "${TENSORSHARE_PYTEST_WORKERS:-2}" crates/tensorshare-py/tests "$@"
