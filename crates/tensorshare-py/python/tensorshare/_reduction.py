@@ -161,8 +161,8 @@ def _guard_failed_resizes(torch):
 
 
 def _geometry_in_block(torch, t):
-    """The storage, shape, strides and offset of ``t`` when it is a strided CPU tensor over
-    a block (what ``set_`` takes to put them back); None for any other."""
+    """The storage, offset, shape and strides of ``t``, in the order ``set_`` takes them to
+    put them back, when it is a strided CPU tensor over a block; None for any other."""
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
         return None
     storage = t.untyped_storage()
@@ -626,7 +626,8 @@ class _Pickler(_Base):
             return len(self._inner) - 1
         torch = _torch()
         if torch is not None and isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
-            # A storage travels as a tensor over all of it, so it is shared, not copied.
+            # A storage travels as a uint8 tensor over all its bytes, so it is shared, not
+            # copied.
             typed = isinstance(obj, torch.TypedStorage)
             untyped = obj._untyped_storage if typed else obj  # (TypedStorage's own getters warn)
             # Any dtype: its bytes travel, and its dtype by name (a complex storage, which
