@@ -794,7 +794,9 @@ pub(crate) fn move_storage_whole<'py>(
 /// follows. A torch before 2.12 cannot swap a storage's memory: the move is refused there,
 /// with what to do instead, and the storage is left as it was. `on_cpu`: the caller has seen
 /// that the storage is on the CPU (a CPU tensor's), which is then not asked again. `moves`:
-/// [`MOVES`] when the caller found the storage in no block, read before it looked.
+/// [`MOVES`] when the caller found the storage in no block, read before it looked. A storage
+/// that Python code run in the middle of the move resized is moved at its new size (see
+/// [`Moved::Resized`]).
 pub(crate) fn move_storage<'py>(
     py: Python<'py>,
     api: &Api,
@@ -803,8 +805,48 @@ pub(crate) fn move_storage<'py>(
     on_cpu: bool,
     moves: u64,
 ) -> PyResult<Bound<'py, Block>> {
+    let mut nbytes = nbytes;
+    for _ in 0..RESIZED_TRIES {
+        match move_sized(py, api, storage, nbytes, on_cpu, moves)? {
+            Moved::Into(block) => return Ok(block),
+            Moved::Resized(now) => nbytes = now,
+        }
+    }
+    Err(PyRuntimeError::new_err(
+        "a storage changed size again and again while it was being moved into shared memory \
+         (by code run in the middle of the move, such as a finaliser)",
+    ))
+}
+
+/// How many times a move starts again for a storage that changed size in the middle of it.
+const RESIZED_TRIES: usize = 4;
+
+/// What one try of [`move_storage`] did.
+enum Moved<'py> {
+    /// The storage is in this block now.
+    Into(Bound<'py, Block>),
+    /// The storage holds this many bytes now, not the number the try was for, and was left
+    /// as it was: Python code run in the middle of the move (a finaliser, by a collection
+    /// that an allocation of the move started, or another thread while torch's copy let the
+    /// GIL go) resized it. torch's swap refuses storages of two sizes.
+    Resized(usize),
+}
+
+/// One try of [`move_storage`], for a storage of `nbytes`.
+fn move_sized<'py>(
+    py: Python<'py>,
+    api: &Api,
+    storage: &Bound<'py, PyAny>,
+    nbytes: usize,
+    on_cpu: bool,
+    moves: u64,
+) -> PyResult<Moved<'py>> {
+    let resized = || -> PyResult<Option<usize>> {
+        let now: usize = api.storage_nbytes.call0(storage)?.extract()?;
+        Ok((now != nbytes).then_some(now))
+    };
     if nbytes == 0 {
-        return Bound::new(py, crate::empty_block(py, nbytes)?);
+        return Ok(Moved::Into(Bound::new(py, crate::empty_block(py, nbytes)?)?));
     }
     let Some(swap) = &api.storage_swap else {
         return Err(PyRuntimeError::new_err(MOVE_NEEDS_SWAP));
@@ -818,7 +860,7 @@ pub(crate) fn move_storage<'py>(
     } else {
         match Moving::claim(py, api, storage)? {
             Ok(claim) => Some(claim),
-            Err(block) => return Ok(block),
+            Err(block) => return Ok(Moved::Into(block)),
         }
     };
     let block = Bound::new(py, crate::empty_block(py, nbytes)?)?;
@@ -832,8 +874,11 @@ pub(crate) fn move_storage<'py>(
     // Python code (see `copy_out`).
     if here && MOVES.load(Ordering::Relaxed) != moves {
         if let Some(block) = block_at_start(py, api, storage)? {
-            return Ok(block);
+            return Ok(Moved::Into(block));
         }
+    }
+    if let Some(now) = resized()? {
+        return Ok(Moved::Resized(now));
     }
     // The storage takes the block's memory, and the reference to the block that keeps it
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
@@ -856,17 +901,24 @@ pub(crate) fn move_storage<'py>(
             Some(_) => None,
             None => match Moving::claim(py, api, storage)? {
                 Ok(claim) => Some(claim),
-                Err(block) => return Ok(block),
+                Err(block) => return Ok(Moved::Into(block)),
             },
         };
+        if let Some(now) = resized()? {
+            return Ok(Moved::Resized(now));
+        }
         api.storage_copy.call1(&fresh, storage)?;
+        // torch's copy let the GIL go: another thread may have resized the storage since.
+        if let Some(now) = resized()? {
+            return Ok(Moved::Resized(now));
+        }
         swap.call1(storage, &fresh)?;
     }
     if let Some(recording) = recording {
         recording.commit(py, &block);
     }
     MOVES.fetch_add(1, Ordering::Relaxed);
-    Ok(block)
+    Ok(Moved::Into(block))
 }
 
 /// The storages that threads of this process are moving with torch's copy (which lets the

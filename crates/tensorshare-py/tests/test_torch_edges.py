@@ -863,6 +863,73 @@ def test_a_tensor_sent_again_by_a_finaliser_in_the_middle_of_its_move_is_moved_o
     assert wrong == "[]" and int(twice) > 0, out.stdout
 
 
+RESIZED_DURING_ITS_MOVE = """
+    import gc
+    import torch
+    import tensorshare.multiprocessing as mp
+
+    def child(q, back):
+        while (t := q.get()) is not None:
+            t.fill_(7)
+            back.put(t.untyped_storage().nbytes())
+
+    class Cycle:
+        armed = None
+        def __init__(self):
+            self.me = self
+        def __del__(self):
+            if Cycle.armed is not None:
+                t, Cycle.armed = Cycle.armed, None
+                t.untyped_storage().resize_(128)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q, back = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child, args=(q, back))
+        p.start()
+        failed, fired = [], 0
+        for threshold in range(1, 40):
+            t = torch.zeros(16)
+            gc.collect()
+            gc.disable()
+            Cycle.armed = t
+            Cycle()
+            gc.enable()
+            gc.set_threshold(threshold)
+            try:
+                q.put(t)
+                sent = True
+            except Exception as e:
+                failed.append((threshold, repr(e)))
+                sent = False
+            gc.set_threshold(700)
+            fired += Cycle.armed is None
+            Cycle.armed = None
+            gc.collect()
+            if sent:
+                n = back.get(timeout=60)
+                if n != t.untyped_storage().nbytes() or t.tolist() != [7.0] * 16:
+                    failed.append((threshold, n, t.tolist()))
+        q.put(None)
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+        print(failed)
+        print(fired)
+"""
+
+
+def test_a_tensor_whose_storage_a_finaliser_resizes_in_the_middle_of_its_move_is_sent_at_its_new_size():
+    # A finaliser run by a collection in the middle of a move (the allocation of the tensor
+    # over the new block starts one) that resized the storage made the put fail with
+    # torch's "_swap_data_ptr_: storages must have the same nbytes": the move now starts
+    # again at the new size, and the child's writes reach the parent.
+    import_torch()
+    out = run_python(textwrap.dedent(RESIZED_DURING_ITS_MOVE), timeout=3 * LONG)
+    assert out.returncode == 0, out.stdout + out.stderr
+    failed, fired = out.stdout.split("\n")[:2]
+    assert failed == "[]" and int(fired) > 0, out.stdout
+
+
 def test_a_part_of_a_block_received_keeps_its_block_after_the_blocks_own_storage_moves_away():
     # A storage received as a part of a block (a tensor at an odd byte is pickled, its
     # storage set aside as bytes) was a slice of the block's torch storage: it held that
