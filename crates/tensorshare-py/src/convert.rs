@@ -2,7 +2,7 @@
 //! and arrays as handles to their blocks, anything else pickled by value (with the tensors
 //! inside it still as handles), through `tensorshare._reduction`.
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use tensorshare::{DType, Device, Message, Tensor, TensorKind, Value};
@@ -66,7 +66,7 @@ fn handle_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> 
         return Ok(Some(q.get().value()));
     }
     if let Ok(c) = obj.cast::<crate::pipe::PyConnection>() {
-        return Ok(Some(c.get().value()?));
+        return Ok(Some(c.get().value(py)?));
     }
     if let Some(api) = crate::torch::api(py)? {
         if let Some(v) = crate::torch::to_tensor(py, api, obj)? {
@@ -163,9 +163,17 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
     if obj.is_exact_instance_of::<PyDict>() {
         seen.once(obj)?;
         let dict = obj.cast::<PyDict>().map_err(PyErr::from)?;
-        let mut out = Vec::with_capacity(dict.len());
-        for (k, v) in dict.iter() {
-            out.push((value_of(py, &k, depth + 1, seen)?, value_of(py, &v, depth + 1, seen)?));
+        // Its items first, which runs no Python code: converting them may run some (a
+        // pickled value's `__reduce__`, a finaliser, another thread while a large tensor is
+        // moved), which may change the dict, and pyo3's iterator panics at a change of size.
+        let items: Vec<_> = dict.iter().collect();
+        let mut out = Vec::with_capacity(items.len());
+        for (k, v) in &items {
+            out.push((value_of(py, k, depth + 1, seen)?, value_of(py, v, depth + 1, seen)?));
+        }
+        // As pickle's iteration says it.
+        if dict.len() != items.len() {
+            return Err(PyRuntimeError::new_err("dictionary changed size during iteration").into());
         }
         return Ok(Value::Dict(out));
     }

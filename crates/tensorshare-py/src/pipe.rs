@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use pyo3::exceptions::{PyBrokenPipeError, PyEOFError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyBrokenPipeError, PyEOFError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyMemoryView, PySlice};
 use tensorshare::{pipe, Connection, Error, Value};
@@ -36,16 +36,29 @@ impl PyConnection {
             .ok_or_else(|| PyOSError::new_err("handle is closed"))
     }
 
-    /// This end as a value (a handle to the same end).
-    pub(crate) fn value(&self) -> PyResult<Value> {
-        Ok(Value::Connection(self.end()?))
+    /// This end as a value (a handle to the same end). The wire's ends are duplex: an end
+    /// of a one-way pipe travels as a pickled call that makes the end beside it one-way
+    /// again in the receiver (`_reduction.one_way_end`), so that it refuses there what
+    /// multiprocessing's refuses (a reading end's `send`, a writing end's `recv`).
+    pub(crate) fn value(&self, py: Python<'_>) -> PyResult<Value> {
+        let end = Value::Connection(self.end()?);
+        if self.readable && self.writable {
+            return Ok(end);
+        }
+        let pickle: Vec<u8> = py
+            .import("tensorshare._reduction")?
+            .call_method1("one_way_pickle", (self.readable,))?
+            .extract()?;
+        Ok(Value::Object { pickle, tensors: vec![end] })
     }
 }
 
-/// `buf`'s bytes as a flat memoryview of bytes (its items cast to bytes when larger).
+/// `buf`'s bytes as a flat memoryview of unsigned bytes (format `B`), which bytes can be
+/// assigned to: any other view is cast, its items of one byte too (`b`, `c`, `?`), as a
+/// view of another format takes no bytes.
 fn as_bytes_view<'py>(buf: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let view = PyMemoryView::from(buf)?.into_any();
-    if view.getattr("itemsize")?.extract::<usize>()? == 1 && view.getattr("ndim")?.extract::<usize>()? == 1 {
+    if view.getattr("format")?.extract::<String>()? == "B" && view.getattr("ndim")?.extract::<usize>()? == 1 {
         return Ok(view);
     }
     view.call_method1("cast", ("B",))
@@ -161,7 +174,12 @@ impl PyConnection {
     /// holds the message, when it does not fit (the message is taken all the same).
     #[pyo3(signature = (buf, offset = 0))]
     fn recv_bytes_into(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, offset: i64) -> PyResult<usize> {
+        // Everything that can refuse `buf` is asked before a message is taken, which would
+        // be lost.
         let bytes = as_bytes_view(buf)?;
+        if bytes.getattr("readonly")?.extract::<bool>()? {
+            return Err(PyTypeError::new_err("recv_bytes_into needs a writable buffer"));
+        }
         let n = i64::try_from(bytes.len()?).map_err(|_| PyValueError::new_err("buffer too large"))?;
         if offset < 0 {
             return Err(PyValueError::new_err("negative offset"));
@@ -223,6 +241,12 @@ impl PyConnection {
     #[getter]
     fn writable(&self) -> bool {
         self.writable
+    }
+
+    /// Another handle to this end, reading only (`readable`) or writing only: a received
+    /// end of a one-way pipe (see [`PyConnection::value`]).
+    fn _one_way(&self, readable: bool) -> PyResult<PyConnection> {
+        Ok(PyConnection { inner: Mutex::new(Some(self.end()?)), readable, writable: !readable })
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

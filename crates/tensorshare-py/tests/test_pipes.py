@@ -168,3 +168,83 @@ def test_recv_bytes_of_a_value_sent_by_send_gives_its_pickle_as_multiprocessing_
     assert pickle.loads(bytes(buf[:n])) == (3, 4)
     a.send(b"raw")
     assert b.recv_bytes() == b"raw"
+
+
+def _send_messages(conn, messages):
+    for m in messages:
+        conn.send_bytes(m)
+    conn.close()
+
+
+def test_recv_bytes_into_fills_a_buffer_of_any_format_and_refuses_a_read_only_one_before_taking_a_message(
+    ctx,
+):
+    # A buffer of one-byte items of another format than unsigned bytes (array('b'), a
+    # numpy int8 array, a ctypes char array) was kept as it was: the message was taken off
+    # the pipe, then assigning it into the buffer failed, and it was lost. A read-only
+    # buffer failed the same way, after the message was taken.
+    import array
+    import ctypes
+
+    buffers = [
+        array.array("b", bytes(8)),
+        np.zeros(8, np.int8),
+        np.zeros(8, np.bool_),
+        ctypes.create_string_buffer(8),
+        array.array("h", bytes(8)),
+    ]
+    messages = [b"m%d" % i for i in range(len(buffers))]
+    ours, theirs = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_send_messages, args=(theirs, messages))
+    p.start()
+    theirs.close()
+    try:
+        for buf, message in zip(buffers, messages, strict=True):
+            # Refused before anything is taken: the next message is still there.
+            with pytest.raises(TypeError, match="writable"):
+                ours.recv_bytes_into(b"12345678")
+            assert ours.recv_bytes_into(buf, 1) == len(message)
+            assert bytes(memoryview(buf).cast("B"))[1 : 1 + len(message)] == message
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def _use_one_way_ends(r, w, q):
+    got = [r.readable, r.writable, w.readable, w.writable]
+    ends = q.get()  # the same ends again, through a queue
+    got += [ends[0].readable, ends[0].writable, ends[1].readable, ends[1].writable]
+    for call in [lambda: r.send("x"), w.recv, lambda: ends[0].send("x")]:
+        try:
+            call()
+            got.append("no error")
+        except OSError as e:
+            got.append(str(e))
+    w.send(got)
+    ends[1].send("through the queue's end")
+
+
+def test_the_ends_of_a_one_way_pipe_stay_one_way_in_the_process_they_reach(ctx):
+    # The wire's ends are duplex: a reading end received by another process could send
+    # (into the writing end, which refuses to receive: sent for nobody), and a writing end
+    # could wait to receive. multiprocessing's ends keep their direction wherever they go.
+    r, w = ctx.Pipe(duplex=False)
+    q = ctx.Queue()
+    p = ctx.Process(target=_use_one_way_ends, args=(r, w, q))
+    p.start()
+    q.put((r, w))
+    try:
+        got = r.recv()
+        assert got[:8] == [True, False, False, True] * 2
+        assert got[8:] == ["connection is read-only", "connection is write-only", "connection is read-only"]
+        assert r.recv() == "through the queue's end"
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    # A duplex end stays duplex.
+    a, b = ctx.Pipe()
+    q.put(a)
+    a2 = q.get(timeout=60)
+    assert a2.readable and a2.writable
+    a2.send("both ways")
+    assert b.recv() == "both ways"

@@ -99,6 +99,37 @@ def test_nesting_deeper_than_the_wire_allows_is_pickled_whole():
     assert w == 0
 
 
+class _GrowsItsDict:
+    """Adds a key to ``d`` when it is pickled: a dict that changes while it is sent."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def __reduce__(self):
+        self.d[f"k{len(self.d)}"] = 1
+        return (int, (0,))
+
+
+def test_a_dict_that_changes_size_while_it_is_sent_is_an_error_as_with_pickle(ctx):
+    # Converting a dict's items runs Python code (a pickled item's __reduce__, a
+    # finaliser, another thread while a large tensor is moved); pyo3's iterator panicked
+    # when the dict changed size meanwhile, and put raised pyo3's PanicException, a
+    # BaseException that `except Exception` does not catch.
+    import tensorshare.multiprocessing as mp
+
+    q = ctx.Queue()
+    a, b = mp.Pipe()
+    for send in (q.put, a.send):
+        d = {"a": np.arange(3)}
+        d["b"] = _GrowsItsDict(d)
+        with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+            send(d)
+    q.put({"after": [1, 2]})
+    assert q.get(timeout=LONG) == {"after": [1, 2]}
+    a.send({"after": 3})
+    assert b.recv() == {"after": 3}
+
+
 def test_lambdas_and_closures_round_trip():
     k = 7
     f = tensorshare.roundtrip(lambda x: x + k)

@@ -826,6 +826,42 @@ class _Unpickler(pickle.Unpickler):
         return part
 
 
+class _OneWay:
+    """What an end of a one-way pipe is pickled as (see ``one_way_pickle``)."""
+
+    __slots__ = ("readable",)
+
+    def __init__(self, readable):
+        self.readable = readable
+
+    def __reduce__(self):
+        return (one_way_end, (_THE_END, self.readable))
+
+
+_THE_END = object()  # the end itself, in the pickle of a one-way end: persistent id 0
+
+
+class _OneWayPickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return 0 if obj is _THE_END else None
+
+
+def one_way_pickle(readable):
+    """The pickle beside which an end of a one-way pipe travels (the wire's ends are
+    duplex): a call of ``one_way_end`` on the end, which is the message's object 0."""
+    buf = io.BytesIO()
+    _OneWayPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(_OneWay(readable))
+    return buf.getvalue()
+
+
+def one_way_end(end, readable):
+    """A received end of a one-way pipe, reading only (``readable``) or writing only, as
+    multiprocessing's ends stay wherever they travel."""
+    if not isinstance(end, _native.Connection) or type(readable) is not bool:
+        raise pickle.UnpicklingError("a one-way end of a pipe arrived without its end")
+    return end._one_way(readable)
+
+
 def dumps(obj):
     """``obj`` pickled by value, and the tensors, arrays and queues it holds."""
     inner = []
