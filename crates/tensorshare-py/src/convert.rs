@@ -2,6 +2,9 @@
 //! and arrays as handles to their blocks, anything else pickled by value (with the tensors
 //! inside it still as handles), through `tensorshare._reduction`.
 
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
+
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -89,21 +92,61 @@ fn handle_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> 
     Ok(None)
 }
 
-/// The lists, dicts and pickled objects met so far in one value, by address (each lives
-/// as long as the value being turned, which holds it). Immutable values (numbers, strings,
-/// bytes, tuples) may come twice: a copy of each is the same to the receiver. Tensors and
-/// arrays may too: each place becomes a handle to the same storage, so they alias still.
+/// What one value holds, as far as it has been turned: what pickle's memo would make one
+/// object in the receiver, which the value's parts, each turned on its own, would not.
 #[derive(Default)]
-struct Seen(std::collections::HashSet<usize>);
+struct Seen {
+    /// The lists, dicts, pickled objects and handles (tensors, arrays, queues, ends) met so
+    /// far, by address (each lives as long as the value being turned, which holds it).
+    /// Immutable values (numbers, strings, bytes, tuples) may come twice: a copy of each is
+    /// the same to the receiver.
+    met: HashSet<usize, BuildHasherDefault<crate::torch::AddressHasher>>,
+    /// How many handles were made so far.
+    handles: usize,
+    /// Whether an object was pickled so far, and if so whether its pickle named handles.
+    pickled: Option<bool>,
+}
 
 impl Seen {
-    /// Notes `obj`; `Whole` when it was met before.
+    /// Notes `obj`; `Whole` when it was met before: a list, dict or pickled object then
+    /// arrives as one object in two places, and a tensor as one tensor, as with pickle.
     fn once(&mut self, obj: &Bound<'_, PyAny>) -> Result<(), Refused> {
-        if self.0.insert(obj.as_ptr() as usize) {
+        if self.met.insert(obj.as_ptr() as usize) {
             Ok(())
         } else {
             Err(Refused::Whole)
         }
+    }
+
+    /// Notes a handle made; `Whole` when an object pickled so far named handles (it may
+    /// hold this one: a model beside one of its weights).
+    fn handle(&mut self) -> Result<(), Refused> {
+        if self.pickled == Some(true) {
+            return Err(Refused::Whole);
+        }
+        self.handles += 1;
+        Ok(())
+    }
+
+    /// Whether one more object may be pickled on its own: not when another was (two
+    /// objects may share a third, or one of them hold the other: a model and its
+    /// optimizer, whose parameters are the model's).
+    fn may_pickle(&self) -> Result<(), Refused> {
+        match self.pickled {
+            Some(_) => Err(Refused::Whole),
+            None => Ok(()),
+        }
+    }
+
+    /// Notes `v`, an object pickled on its own; `Whole` when its pickle names handles and
+    /// handles were made beside it (it may hold one of them).
+    fn pickled(&mut self, v: &Value) -> Result<(), Refused> {
+        let names_handles = matches!(v, Value::Object { tensors, .. } if !tensors.is_empty());
+        if names_handles && self.handles > 0 {
+            return Err(Refused::Whole);
+        }
+        self.pickled = Some(names_handles);
+        Ok(())
     }
 }
 
@@ -177,11 +220,15 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
         }
         return Ok(Value::Dict(out));
     }
+    seen.once(obj)?;
     if let Some(v) = handle_of(py, obj)? {
+        seen.handle()?;
         return Ok(v);
     }
-    seen.once(obj)?;
-    pickled_at(py, obj, depth)
+    seen.may_pickle()?;
+    let v = pickled_at(py, obj, depth)?;
+    seen.pickled(&v)?;
+    Ok(v)
 }
 
 /// `obj` pickled as an `Object` `depth` levels down: the tensors beside its pickle are one

@@ -187,7 +187,7 @@ type ByAddress = HashMap<usize, Py<PyWeakrefReference>, BuildHasherDefault<Addre
 /// (block addresses are multiples of 64, so the product's low bits are zero). SipHash's
 /// resistance to chosen keys buys nothing here, and costs a few lookups per tensor.
 #[derive(Default)]
-struct AddressHasher(u64);
+pub(crate) struct AddressHasher(u64);
 
 impl Hasher for AddressHasher {
     fn write(&mut self, bytes: &[u8]) {

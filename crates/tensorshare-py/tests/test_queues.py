@@ -99,6 +99,54 @@ def test_nesting_deeper_than_the_wire_allows_is_pickled_whole():
     assert w == 0
 
 
+def _train_step(q, back):
+    torch = import_torch()
+    model, opt, weight, twice, both = q.get(timeout=LONG)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    back.put(
+        [
+            weight is model.weight,
+            twice[0] is twice[1],
+            both[0].shared is both[1].shared,
+            all(p.grad is not None for p in opt.param_groups[0]["params"]),
+        ]
+    )
+
+
+class _Holder:
+    def __init__(self, shared):
+        self.shared = shared
+
+
+def test_objects_and_tensors_that_share_an_object_share_it_in_the_receiver_as_with_pickle(ctx):
+    # Each object in a value was pickled on its own: a model and its optimizer sent
+    # together arrived with the optimizer's parameters apart from the model's (over the same
+    # storage), so backward() gave them no grad and step() trained nothing, silently. A
+    # tensor in two places arrived as two tensors, and two objects sharing a third as two
+    # copies of it. pickle's memo, which torch's queues use, keeps each one object.
+    torch = import_torch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = model.weight.detach().clone()
+    t = torch.zeros(3)
+    shared = [1, 2]
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_train_step, args=(q, back))
+    p.start()
+    try:
+        q.put((model, opt, model.weight, [t, t], (_Holder(shared), _Holder(shared))))
+        assert back.get(timeout=LONG) == [True, True, True, True]
+    finally:
+        p.join(LONG)
+    assert p.exitcode == 0
+    assert not torch.equal(before, model.weight.detach())  # the child's step, in place
+    # A tensor named twice in a value of tensors alone is one tensor there too.
+    got = tensorshare.roundtrip([t, t, {"x": t}])
+    assert got[0] is got[1] is got[2]["x"]
+
+
 class _GrowsItsDict:
     """Adds a key to ``d`` when it is pickled: a dict that changes while it is sent."""
 
