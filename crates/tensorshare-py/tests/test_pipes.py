@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tensorshare.multiprocessing as mp
-from conftest import import_torch
+from conftest import import_torch, run_python
 
 
 def _double_back(conn):
@@ -248,3 +248,54 @@ def test_the_ends_of_a_one_way_pipe_stay_one_way_in_the_process_they_reach(ctx):
     assert a2.readable and a2.writable
     a2.send("both ways")
     assert b.recv() == "both ways"
+
+
+SEND_TO_A_PEER_THAT_DOES_NOT_READ = """
+    import signal
+    import tensorshare.multiprocessing as mp
+
+    class Stuck(Exception):
+        pass
+
+    sent, last = 0, -1
+
+    def tick(signum, frame):
+        # Raises once the sends stopped: the pipe is full, and send waits for the peer.
+        global last
+        if sent == last:
+            raise Stuck(sent)
+        last = sent
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        ours, theirs = ctx.Pipe()
+        go = ctx.Event()
+        p = ctx.Process(target=go.wait)  # holds the other end, and reads nothing
+        p.start()
+        signal.signal(signal.SIGALRM, tick)
+        signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)
+        try:
+            while True:
+                ours.send(b"x" * 4096)
+                sent += 1
+        except Stuck:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            print("interrupted after", sent)
+        go.set()
+        p.join(60)
+        assert p.exitcode == 0
+        got = 0
+        while theirs.poll(0):
+            assert theirs.recv_bytes() == b"x" * 4096
+            got += 1
+        print(got == sent)
+"""
+
+
+def test_a_send_waiting_for_a_peer_that_does_not_read_is_interrupted_by_a_signal():
+    # send waited for room in the socket with no end, and no signal handler ran: Ctrl-C
+    # did nothing, and only SIGKILL ended the process.
+    out = run_python(SEND_TO_A_PEER_THAT_DOES_NOT_READ, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0].startswith("interrupted after") and lines[1] == "True", out.stdout

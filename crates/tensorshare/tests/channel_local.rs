@@ -127,6 +127,28 @@ fn pipe_hang_up_is_disconnected() {
 }
 
 #[test]
+fn a_send_to_a_full_pipe_times_out_with_its_value_back_and_nothing_sent() {
+    let (a, b) = pipe::<Vec<u8>>().unwrap();
+    let mut sent = 0usize;
+    let back = loop {
+        match a.send_timeout(vec![sent as u8; 16 << 10], Duration::from_millis(10)) {
+            Ok(()) => sent += 1,
+            Err(e) => break e.into_parts(),
+        }
+        assert!(sent < 100_000, "a pipe nobody reads never fills");
+    };
+    assert!(matches!(back.1, Error::Timeout), "{:?}", back.1);
+    assert_eq!(back.0, vec![sent as u8; 16 << 10], "the value comes back whole");
+    // Room made: the value goes, after every message before it, each once.
+    assert_eq!(b.recv().unwrap()[0], 0);
+    a.send_timeout(back.0, Duration::from_secs(60)).unwrap();
+    for i in 1..=sent {
+        assert_eq!(b.recv().unwrap(), vec![i as u8; 16 << 10]);
+    }
+    assert!(!b.poll(Duration::ZERO).unwrap());
+}
+
+#[test]
 fn sparse_and_nested_tensors_travel_part_by_part() {
     let q: Queue<(SparseTensor, NestedTensor)> = Queue::new().unwrap();
     let idx = Tensor::from_vec(vec![0i64, 1, 1, 0], &[2, 2]).unwrap();

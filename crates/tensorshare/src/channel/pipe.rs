@@ -37,8 +37,20 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// Sends a value to the other end, waiting while its socket is full. A failure
     /// (`Disconnected` once the other end is closed) gives the value back.
     pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        self.send_deadline(value, Deadline::after(None))
+    }
+
+    /// [`send`](Connection::send), waiting at most `timeout` while the other end's socket
+    /// is full: `Timeout` then gives the value back, and nothing of it was sent (a message
+    /// is one record of the socket), so a caller may look at other things (a signal) and
+    /// send it again.
+    pub fn send_timeout(&self, value: T, timeout: Duration) -> std::result::Result<(), SendError<T>> {
+        self.send_deadline(value, Deadline::after(Some(timeout)))
+    }
+
+    fn send_deadline(&self, value: T, deadline: Deadline) -> std::result::Result<(), SendError<T>> {
         let sent = wire::encode(&value)
-            .and_then(|msg| socket::send(self.fd.as_fd(), msg, Deadline::after(None), &no_liveness_check));
+            .and_then(|msg| socket::send(self.fd.as_fd(), msg, deadline, &no_liveness_check));
         sent.map_err(|e| SendError::new(value, e))
     }
 
