@@ -229,7 +229,7 @@ def test_a_keyboard_interrupt_in_a_child_whose_parent_lives_is_its_failure(ctx):
         while not pc.join(LONG):
             pass
     e = info.value
-    assert e.error_index == 0 and e.pid > 0
+    assert e.error_index == 0 and e.error_pid > 0
     assert "KeyboardInterrupt: deliberate interrupt of process 0" in str(e)
     assert pc.processes[0].exitcode == 130
 
@@ -298,7 +298,7 @@ def test_terminate_signal(ctx):
     ) as info:
         join_all(pc)
     e = info.value
-    assert e.error_index == 0 and e.pid == pc.pids()[0]
+    assert e.error_index == 0 and e.error_pid == pc.pids()[0]
     assert e.exit_code == -signal.SIGABRT
     assert e.signal_name in ("SIGABRT", "SIGIOT")
     # The sibling was ended for it.
@@ -462,7 +462,7 @@ def test_spawn_signal_raises():
         join_all(pc)
     e = info.value
     assert e.signal_name == "SIGTERM" and e.exit_code == -signal.SIGTERM
-    assert e.error_index == 0 and e.pid == pc.pids()[0]
+    assert e.error_index == 0 and e.error_pid == pc.pids()[0]
     assert "process 0 terminated with signal SIGTERM" in str(e)
 
 
@@ -485,12 +485,18 @@ def test_spawn_with_another_start_method_warns_and_spawns():
 
 
 def test_errors_pickle():
-    raised = pickle.loads(pickle.dumps(mp.ProcessRaisedException("Oh no!", 1, 2)))
+    # The pid is error_pid, as torch names it (torch.distributed.elastic reads it; it was
+    # `pid` here), in the constructor too.
+    raised = pickle.loads(pickle.dumps(mp.ProcessRaisedException("Oh no!", error_index=1, error_pid=2)))
     assert type(raised) is mp.ProcessRaisedException
-    assert (raised.msg, raised.error_index, raised.pid) == ("Oh no!", 1, 2)
-    exited = pickle.loads(pickle.dumps(mp.ProcessExitedException("Oh no!", 1, 2, -15, "SIGTERM")))
+    assert (raised.msg, raised.error_index, raised.error_pid, raised.pid) == ("Oh no!", 1, 2, 2)
+    exited = pickle.loads(
+        pickle.dumps(
+            mp.ProcessExitedException("Oh no!", 1, error_pid=2, exit_code=-15, signal_name="SIGTERM")
+        )
+    )
     assert type(exited) is mp.ProcessExitedException
-    assert (exited.msg, exited.error_index, exited.pid, exited.exit_code, exited.signal_name) == (
+    assert (exited.msg, exited.error_index, exited.error_pid, exited.exit_code, exited.signal_name) == (
         "Oh no!",
         1,
         2,

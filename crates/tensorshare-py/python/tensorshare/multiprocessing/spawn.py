@@ -34,14 +34,19 @@ __all__ = [
 class ProcessException(Exception):
     __slots__ = ["error_index", "error_pid"]
 
-    def __init__(self, msg: str, error_index: int, pid: int):
+    def __init__(self, msg: str, error_index: int, error_pid: int):
         super().__init__(msg)
         self.msg = msg
         self.error_index = error_index
-        self.pid = pid
+        self.error_pid = error_pid
+
+    @property
+    def pid(self):
+        """``error_pid``, by the name this package gave it before."""
+        return self.error_pid
 
     def __reduce__(self):
-        return type(self), (self.msg, self.error_index, self.pid)
+        return type(self), (self.msg, self.error_index, self.error_pid)
 
 
 class ProcessRaisedException(ProcessException):
@@ -59,7 +64,7 @@ class ProcessExitedException(ProcessException):
         self.signal_name = signal_name
 
     def __reduce__(self):
-        return type(self), (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
+        return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name)
 
 
 def _set_parent_death_signal(sig):
