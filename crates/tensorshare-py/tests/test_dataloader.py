@@ -3,7 +3,7 @@ tensorshare arenas by the workers, and lambdas work under spawn."""
 
 import pytest
 
-from conftest import START_METHODS, import_torch
+from conftest import LONG, START_METHODS, import_torch, run_python
 
 
 class Squares:
@@ -137,3 +137,40 @@ def test_torchs_own_workers_send_rows_of_a_dataset_in_a_block_as_views_of_it(met
         row.fill_(float(i + 1))
     assert data[:, 0].tolist() == [float(i + 1) for i in range(8)], "a received row was a copy"
     assert _native.find_block(data.untyped_storage().data_ptr()) is not None, "the dataset moved"
+
+
+FILE_SYSTEM_CURES_TOO_MANY_OPEN_FILES = """
+    import resource
+    import tensorshare.multiprocessing as mp
+    mp.set_sharing_strategy("file_system")  # before torch is imported: set when it is
+    import torch
+    import torch.multiprocessing
+    from torch.utils.data import DataLoader
+
+    class Many:
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return [torch.full((2,), float(i)) for _ in range(8)]
+
+    if __name__ == "__main__":
+        print(torch.multiprocessing.get_sharing_strategy())
+        mp.set_sharing_strategy("file_descriptor")
+        print(torch.multiprocessing.get_sharing_strategy())
+        mp.set_sharing_strategy("file_system")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        kept = list(DataLoader(Many(), batch_size=None, num_workers=2))  # no context: torch's
+        assert [float(b[7][1]) for b in kept] == [float(i) for i in range(64)]
+        print("kept", len(kept))
+"""
+
+
+def test_set_sharing_strategy_sets_torchs_too_so_that_file_system_cures_too_many_open_files(tmp_path):
+    # tensorshare's setter left torch's strategy alone: a program that changed its import
+    # and set file_system, the known cure for a DataLoader's "Too many open files", still
+    # ran out of descriptors in a DataLoader given no multiprocessing_context (torch's own
+    # queues, which follow torch's strategy).
+    import_torch()
+    out = run_python(FILE_SYSTEM_CURES_TOO_MANY_OPEN_FILES, timeout=3 * LONG, script_dir=str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split("\n")[:3] == ["file_system", "file_descriptor", "kept 64"], out.stdout

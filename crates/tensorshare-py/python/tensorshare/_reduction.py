@@ -82,6 +82,31 @@ def _torch_strategy():
     return "file_descriptor" if tmp is None else tmp.get_sharing_strategy()
 
 
+# A strategy set by tensorshare.multiprocessing's setter before torch was imported, for
+# torch's setter once it is (see ``set_torch_strategy``).
+_torch_strategy_wanted = None
+
+
+def _torchs_file_system_alone():
+    """Whether torch's strategy is ``file_system`` and tensorshare's is not: torch's setter
+    was called alone (see ``patch_torch``)."""
+    return _torch_strategy() == "file_system" and _native.get_sharing_strategy() != "file_system"
+
+
+def set_torch_strategy(strategy):
+    """Sets torch's own sharing strategy too, as ``torch.multiprocessing.set_sharing_strategy``
+    does, which ``tensorshare.multiprocessing``'s replaces: torch's own queues and reductions
+    follow it (a DataLoader given no ``multiprocessing_context``, whose \"Too many open files\"
+    ``file_system`` is the known cure for). Before torch is imported, when it is."""
+    global _torch_strategy_wanted
+    torch_mp = getattr(_torch(), "multiprocessing", None)
+    if torch_mp is None or not hasattr(torch_mp, "set_sharing_strategy"):
+        _torch_strategy_wanted = strategy
+        return
+    _torch_strategy_wanted = None
+    torch_mp.set_sharing_strategy(strategy)
+
+
 def patch_torch(torch):
     """Teaches torch that tensorshare's blocks are shared memory: ``is_shared()`` is True
     for a storage in a block, and ``share_memory_()`` moves a CPU storage into a block (in
@@ -89,16 +114,22 @@ def patch_torch(torch):
     ``share_memory()`` before forking workers, and sending it later, share one memory. A
     storage torch had already put in its own shared memory stays there.
 
-    Under torch's own ``file_system`` strategy (``torch.multiprocessing.set_sharing_strategy``,
-    which tensorshare's does not set), ``share_memory_()`` is torch's: torch's queues send a
-    storage in a block by descriptor, which needs its sender alive until the receiver has
-    it, and that strategy promises a sender may exit right after its ``put``. tensorshare's
-    own queues send what torch shared with torch's reductions, and ``tensorshare.share_memory_``
-    moves into a block under either strategy.
+    Under torch's own ``file_system`` strategy, set by torch's setter alone
+    (``torch.multiprocessing.set_sharing_strategy``, with tensorshare's strategy left
+    ``file_descriptor``), ``share_memory_()`` is torch's: torch's queues send a storage in a
+    block by descriptor, which needs its sender alive until the receiver has it, and that
+    strategy promises a sender may exit right after its ``put``. tensorshare's own queues
+    send what torch shared with torch's reductions, and ``tensorshare.share_memory_`` moves
+    into a block under either strategy. tensorshare's setter sets both strategies (see
+    ``set_torch_strategy``): under its ``file_system``, ``share_memory_()`` moves into a
+    named block, which tensorshare's queues let a sender leave right after its ``put``, and
+    whose name is swept when its processes die, where torch's may be left behind.
 
     A torch that cannot move a storage in place (before 2.12, see ``can_move_in_place``)
     keeps its own ``share_memory_()``: importing tensorshare must not make a call that works
     in torch fail."""
+    if _torch_strategy_wanted is not None:
+        set_torch_strategy(_torch_strategy_wanted)
     cls = torch.UntypedStorage
     if getattr(cls, "_tensorshare_patched", False):
         return
@@ -112,7 +143,7 @@ def patch_torch(torch):
         on_cpu = self.device.type == "cpu" and self.nbytes() != 0
         if on_cpu and _is_ours(self):
             return self
-        if not on_cpu or torch_is_shared(self) or _torch_strategy() == "file_system":
+        if not on_cpu or torch_is_shared(self) or _torchs_file_system_alone():
             return torch_share_memory_(self, *args, **kwargs)
         move_storage(self)
         return self

@@ -22,7 +22,7 @@ import multiprocessing as _mp
 import os as _os
 from multiprocessing import *  # noqa: F401,F403
 
-from .. import _native
+from .. import _native, _reduction
 from ._context import ByValueMixin as _ByValueMixin
 from ._context import TensorshareContext, _keep_sigbus_handler_in_torch_workers, get_context
 from .spawn import (
@@ -55,10 +55,12 @@ __all__ += _mp.__all__
 def set_sharing_strategy(new_strategy):
     """Sets how shared memory is made: ``"file_descriptor"`` (memfd arenas, nothing to leak;
     the default) or ``"file_system"`` (named arenas in /dev/shm, swept when their processes
-    die)."""
+    die). torch's own strategy too, as ``torch.multiprocessing``'s setter sets it: torch's own
+    queues and a DataLoader given no ``multiprocessing_context`` follow it."""
     if new_strategy not in _native.get_all_sharing_strategies():
         raise ValueError(f"unknown sharing strategy {new_strategy!r}")
     _native.set_sharing_strategy(new_strategy)
+    _reduction.set_torch_strategy(new_strategy)
     # Named segments from here on, most likely with torch imported by now.
     _keep_sigbus_handler_in_torch_workers()
 
