@@ -906,3 +906,59 @@ def test_a_message_naming_a_storage_it_lacks_says_so_once():
     finally:
         os.close(fd)
     assert str(e.value) == "invalid message: storage 5 is not in the message's table of 1"
+
+
+STARTS_IN_TWO_THREADS_AT_ONCE = """
+    import os, threading, multiprocessing.context
+    import torch
+    import tensorshare.multiprocessing as mp
+    from tensorshare import _native
+
+    def report(q):
+        # The environment the child was started with (as its main module's import saw it).
+        with open("/proc/self/environ", "rb") as f:
+            start = dict(v.split(b"=", 1) for v in f.read().split(b"\\0") if b"=" in v)
+        q.put(start.get(b"TENSORSHARE_SHM_GROUP", b"").decode())
+
+    if __name__ == "__main__":
+        mp.set_sharing_strategy("file_system")
+        base = torch.ones(4).share_memory_()  # founds this process's group
+        group = str(_native.shm_group_for_workers())
+        both_in, a_done = threading.Barrier(2), threading.Event()
+        original = multiprocessing.context.SpawnProcess._Popen
+
+        def popen(process_obj):
+            both_in.wait(60)  # both starts are inside their window
+            if threading.current_thread().name == "b":
+                a_done.wait(60)  # and a's start is over before b's child is made
+            return original(process_obj)
+
+        multiprocessing.context.SpawnProcess._Popen = staticmethod(popen)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ps = {n: ctx.Process(target=report, args=(q,)) for n in "ab"}
+        def start(n):
+            ps[n].start()
+            if n == "a":
+                a_done.set()
+        ts = [threading.Thread(target=start, args=(n,), name=n) for n in "ab"]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        multiprocessing.context.SpawnProcess._Popen = staticmethod(original)
+        got = sorted([q.get(timeout=60), q.get(timeout=60)], key=str)
+        for p in ps.values(): p.join(60)
+        print(got == [group, group], repr(os.environ.get("TENSORSHARE_SHM_GROUP")))
+"""
+
+
+def test_children_started_by_two_threads_at_once_each_start_in_the_group_which_then_leaves_the_environment():
+    # The group was put in the environment for the length of each start and then given
+    # back, with no regard for other threads (spawn's TORCH_MP_PARALLEL_START starts from a
+    # thread pool): one start's end took it away while another's child was being made
+    # (which then made its named segments outside the group at import), and that other
+    # start gave back what it had found, the group, which stayed in the environment of every
+    # later subprocess.
+    import_torch()
+    out = run_python(STARTS_IN_TWO_THREADS_AT_ONCE, timeout=3 * LONG, env={"TENSORSHARE_SHM_GROUP": ""})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split("\n")[0] == "True ''", out.stdout

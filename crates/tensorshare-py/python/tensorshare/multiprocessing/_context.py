@@ -19,6 +19,44 @@ _reduction.release_parcels_at_launch()
 _SHM_GROUP_ENV = "TENSORSHARE_SHM_GROUP"
 
 
+class _GroupEnv:
+    """The cleanup group in this process's environment while processes start (see
+    ``_start_in_group``), in as many threads as start them at once (``spawn`` with
+    ``TORCH_MP_PARALLEL_START``): the variable is set by the first start and given back by
+    the last, so that no start ends another's window early, and none leaves it set."""
+
+    def __init__(self):
+        self._reset()
+        # A fork child has this thread alone: another thread's start, or its lock, is none
+        # of its own.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self):
+        self._lock = threading.Lock()
+        self._starts = 0
+        self._before = None
+
+    def enter(self, group):
+        with self._lock:
+            if self._starts == 0:
+                self._before = os.environ.get(_SHM_GROUP_ENV)
+            self._starts += 1
+            os.environ[_SHM_GROUP_ENV] = group
+
+    def leave(self):
+        with self._lock:
+            self._starts -= 1
+            if self._starts > 0:
+                return
+            if self._before is None:
+                os.environ.pop(_SHM_GROUP_ENV, None)
+            else:
+                os.environ[_SHM_GROUP_ENV] = self._before
+
+
+_group_env = _GroupEnv()
+
+
 def _export_for_child(obj):
     """``obj`` as bytes and descriptors for the process being started (spawn or
     forkserver); the descriptors stay open until it is started
@@ -131,15 +169,11 @@ class ByValueMixin:
         group = _native.shm_group_for_workers()
         if group is None:
             return super().start()
-        before = os.environ.get(_SHM_GROUP_ENV)
-        os.environ[_SHM_GROUP_ENV] = str(group)
+        _group_env.enter(str(group))
         try:
             return super().start()
         finally:
-            if before is None:
-                os.environ.pop(_SHM_GROUP_ENV, None)
-            else:
-                os.environ[_SHM_GROUP_ENV] = before
+            _group_env.leave()
 
     def _bootstrap(self, *args, **kwargs):
         _allocate_batches_in_arenas()
