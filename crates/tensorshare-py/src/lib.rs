@@ -108,17 +108,27 @@ impl Block {
 }
 
 /// A new block of `nbytes` in shared memory: a slot of an arena of the current sharing
-/// strategy. `MemoryError` when the system has no room (never a bus error later).
+/// strategy. `MemoryError` when the system has no room (never a bus error later). Its
+/// bytes are not set (zero in a new arena, what an earlier block left in a reused slot):
+/// every caller writes them all next (a move, a copy of an array, a collated batch) or
+/// hands out memory it says is uninitialised (`empty_shared`, as `torch.empty`), and
+/// zeroing a large block costs as much as the copy that follows.
 #[pyfunction]
 pub(crate) fn empty_block(py: Python<'_>, nbytes: usize) -> PyResult<Block> {
-    let make = || if nbytes == 0 { Storage::try_new(0) } else { Storage::new_shared(nbytes) };
+    let make = || {
+        if nbytes == 0 {
+            Storage::try_new(0)
+        } else {
+            Storage::empty_shared_with(nbytes, tensorshare::get_sharing_strategy())
+        }
+    };
     // A small block is a slot of an arena, most often a free one: taking it is less work
     // than letting other threads have the GIL and taking it back, unless it means waiting
     // (another thread making an arena, the first named arena's cleanup group), which is
     // done with the GIL let go. A large one may be a new mapping whose pages the kernel
     // clears: other threads run meanwhile.
     let now = if nbytes > 0 && nbytes <= DETACH_ABOVE {
-        Storage::new_shared_now(nbytes).map_err(to_py)?
+        Storage::empty_shared_now(nbytes).map_err(to_py)?
     } else {
         None
     };

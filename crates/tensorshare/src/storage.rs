@@ -141,11 +141,20 @@ impl Storage {
     /// Python's GIL, and let go of it only to wait. Not part of the API.
     #[doc(hidden)]
     pub fn new_shared_now(len: usize) -> Result<Option<Storage>> {
+        Ok(Storage::empty_shared_now(len)?.map(Storage::zeroed))
+    }
+
+    /// [`Storage::new_shared_now`] with unspecified contents, as
+    /// [`Storage::empty_shared_with`]'s: for a caller that writes every byte next, or hands
+    /// out uninitialised memory (Python's `empty_shared`), and need not pay for zeroing a
+    /// large block. Not part of the API.
+    #[doc(hidden)]
+    pub fn empty_shared_now(len: usize) -> Result<Option<Storage>> {
         if len == 0 {
             return Storage::new_shared(0).map(Some);
         }
         let Some(slot) = arena::allocate_now(len, get_sharing_strategy())? else { return Ok(None) };
-        Ok(Some(Storage::zeroed(Storage::from_shared(len, Shared::Slot(slot)))))
+        Ok(Some(Storage::from_shared(len, Shared::Slot(slot))))
     }
 
     /// A shared storage of `len` bytes under `strategy`, with unspecified contents (zero,
