@@ -87,25 +87,27 @@ impl PyConnection {
             return Err(PyOSError::new_err("connection is read-only"));
         }
         let end = self.end()?;
-        let mut value = to_value(py, obj)?;
-        // In slices, as a queue's put: a send that waits for a peer that does not read is
-        // interrupted by a signal (Ctrl-C), as multiprocessing's is.
-        loop {
-            let sent = py.detach(|| end.send_timeout(value, SLICE).map_err(Box::new));
-            let (back, e) = match sent {
-                Ok(()) => return Ok(()),
-                Err(e) => e.into_parts(),
-            };
-            match e {
-                Error::Timeout => {}
-                // As multiprocessing's (the OS's EPIPE): nobody can receive what is sent.
-                Error::Disconnected => {
-                    return Err(PyBrokenPipeError::new_err("the other end of the pipe is closed"))
-                }
-                e => return Err(to_py(e)),
+        let value = to_value(py, obj)?;
+        // Waiting for room in slices, with signal handlers run between them, as a queue's
+        // put: a send to a peer that does not read is interrupted by a signal (Ctrl-C), as
+        // multiprocessing's is. The message is made once.
+        let mut raised = None;
+        let sent = py.detach(|| {
+            end.send_while(value, SLICE, || {
+                Python::attach(|py| py.check_signals()).map_err(|e| raised = Some(e)).is_ok()
+            })
+            .map_err(|e| e.into_parts().1)
+        });
+        if let Some(e) = raised {
+            return Err(e);
+        }
+        match sent {
+            Ok(()) => Ok(()),
+            // As multiprocessing's (the OS's EPIPE): nobody can receive what is sent.
+            Err(Error::Disconnected) => {
+                Err(PyBrokenPipeError::new_err("the other end of the pipe is closed"))
             }
-            py.check_signals()?;
-            value = back;
+            Err(e) => Err(to_py(e)),
         }
     }
 

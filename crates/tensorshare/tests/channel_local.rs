@@ -149,6 +149,74 @@ fn a_send_to_a_full_pipe_times_out_with_its_value_back_and_nothing_sent() {
 }
 
 #[test]
+fn a_send_while_asked_to_stop_gives_its_value_back_with_nothing_sent() {
+    let (a, b) = pipe::<Vec<u8>>().unwrap();
+    let mut sent = 0usize;
+    while a.send_timeout(vec![1; 16 << 10], Duration::from_millis(10)).is_ok() {
+        sent += 1;
+        assert!(sent < 100_000, "a pipe nobody reads never fills");
+    }
+    // A large value (its bytes in a memfd) waits, asked three times, then is stopped.
+    let mut asked = 0;
+    let (back, e) = a
+        .send_while(vec![2; 1 << 20], Duration::from_millis(5), || {
+            asked += 1;
+            asked < 3
+        })
+        .unwrap_err()
+        .into_parts();
+    assert!(matches!(e, Error::Timeout), "{e:?}");
+    assert_eq!((asked, back.len()), (3, 1 << 20));
+    // Room made meanwhile: the send goes through, after everything before it.
+    let reader = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        for _ in 0..=sent {
+            got.push(b.recv().unwrap());
+        }
+        got
+    });
+    a.send_while(back, Duration::from_millis(5), || true).unwrap();
+    let got = reader.join().unwrap();
+    assert!(got[..sent].iter().all(|m| m == &vec![1; 16 << 10]));
+    assert_eq!(got[sent], vec![2; 1 << 20]);
+}
+
+/// Bytes whose serializations are counted.
+#[derive(serde::Deserialize)]
+struct Counted(Vec<u8>);
+
+static SERIALIZED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl serde::Serialize for Counted {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        SERIALIZED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.serialize(s)
+    }
+}
+
+#[test]
+fn a_send_while_waiting_makes_its_message_once() {
+    let (a, _b) = pipe::<Counted>().unwrap();
+    let mut sent = 0usize;
+    while a.send_timeout(Counted(vec![1; 16 << 10]), Duration::from_millis(10)).is_ok() {
+        sent += 1;
+        assert!(sent < 100_000, "a pipe nobody reads never fills");
+    }
+    let before = SERIALIZED.load(std::sync::atomic::Ordering::Relaxed);
+    let mut asked = 0;
+    let stopped = a.send_while(Counted(vec![2; 1 << 20]), Duration::from_millis(5), || {
+        asked += 1;
+        asked < 4
+    });
+    assert!(stopped.is_err() && asked == 4);
+    assert_eq!(
+        SERIALIZED.load(std::sync::atomic::Ordering::Relaxed) - before,
+        1,
+        "made once, sent in four slices"
+    );
+}
+
+#[test]
 fn sparse_and_nested_tensors_travel_part_by_part() {
     let q: Queue<(SparseTensor, NestedTensor)> = Queue::new().unwrap();
     let idx = Tensor::from_vec(vec![0i64, 1, 1, 0], &[2, 2]).unwrap();

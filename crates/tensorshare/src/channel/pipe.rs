@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::err::SendError;
+use super::frame::Outgoing;
 use super::socket::{self, Deadline};
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
@@ -46,6 +47,30 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// send it again.
     pub fn send_timeout(&self, value: T, timeout: Duration) -> std::result::Result<(), SendError<T>> {
         self.send_deadline(value, Deadline::after(Some(timeout)))
+    }
+
+    /// [`send`](Connection::send), asking `go_on` every `slice` it waits for room whether to
+    /// wait on: `false` ends the send with `Timeout`, the value back and nothing of it sent
+    /// (a binding runs signal handlers there). The message is made once, however long it
+    /// waits: a large one is not written into a new memfd every slice.
+    pub fn send_while(
+        &self,
+        value: T,
+        slice: Duration,
+        mut go_on: impl FnMut() -> bool,
+    ) -> std::result::Result<(), SendError<T>> {
+        let mut out = match wire::encode(&value).and_then(Outgoing::new) {
+            Ok(out) => out,
+            Err(e) => return Err(SendError::new(value, e)),
+        };
+        loop {
+            let deadline = Deadline::after(Some(slice));
+            match socket::send_framed(self.fd.as_fd(), &mut out, deadline, &no_liveness_check) {
+                Ok(()) => return Ok(()),
+                Err(Error::Timeout) if go_on() => {}
+                Err(e) => return Err(SendError::new(value, e)),
+            }
+        }
     }
 
     fn send_deadline(&self, value: T, deadline: Deadline) -> std::result::Result<(), SendError<T>> {
