@@ -15,10 +15,11 @@ use crate::{to_py, Block};
 
 /// Why a value could not be turned into a `Value` directly.
 pub(crate) enum Refused {
-    /// Nested deeper than [`tensorshare::value::MAX_DEPTH`], or holding one list, dict or
-    /// pickled object in more than one place (it contains itself, or two places name it):
-    /// the caller pickles the whole value instead, whose memo keeps each such object one
-    /// object in the receiver, as pickle (and torch.multiprocessing) does.
+    /// Nested deeper than [`tensorshare::value::MAX_DEPTH`], holding one list, dict,
+    /// pickled object or handle in more than one place (it contains itself, or two places
+    /// name it), or holding an object to pickle beside anything it might share (see
+    /// [`Seen`]): the caller pickles the whole value instead, whose memo keeps each such
+    /// object one object in the receiver, as pickle (and torch.multiprocessing) does.
     Whole,
     /// A Python error (a tensor refused, a helper failed).
     Err(PyErr),
@@ -34,13 +35,49 @@ fn helpers(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     py.import("tensorshare._reduction")
 }
 
-/// `obj` as a value; a value nested too deeply, or holding an object twice (see
-/// [`Refused::Whole`]), is pickled whole.
+/// `obj` as a value; a value nested too deeply, or holding an object twice or an object to
+/// pickle beside what it might share (see [`Refused::Whole`]), is pickled whole.
 pub(crate) fn to_value(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
-    match value_of(py, obj, 0, &mut Seen::default()) {
-        Ok(v) => Ok(v),
-        Err(Refused::Whole) => pickled(py, obj),
-        Err(Refused::Err(e)) => Err(e),
+    let mut seen = Seen::default();
+    let mut v = match value_of(py, obj, 0, &mut seen) {
+        Ok(v) => v,
+        Err(Refused::Whole) => return pickled(py, obj),
+        Err(Refused::Err(e)) => return Err(e),
+    };
+    let Some((deferred, depth)) = seen.deferred.take() else { return Ok(v) };
+    // Only the object itself was met: beside it are numbers, strings, bytes and tuples of
+    // them, which it cannot share with the receiver's copy of the value.
+    if seen.met.len() > 1 {
+        return pickled(py, obj);
+    }
+    let mut p = match pickled_at(py, deferred.bind(py), depth) {
+        Ok(p) => Some(p),
+        Err(Refused::Whole) => return pickled(py, obj),
+        Err(Refused::Err(e)) => return Err(e),
+    };
+    fill_deferred(&mut v, &mut p);
+    Ok(v)
+}
+
+/// Where the object [`value_of`] deferred goes: a `Value` no message has (an `Object` with
+/// an empty pickle), replaced once the value is known by [`fill_deferred`].
+fn deferred_place() -> Value {
+    Value::Object { pickle: Vec::new(), tensors: Vec::new() }
+}
+
+/// Puts `p` in the place [`deferred_place`] left in `v` (there is one: a value defers one
+/// object); `true` once it is there.
+fn fill_deferred(v: &mut Value, p: &mut Option<Value>) -> bool {
+    match v {
+        Value::Object { pickle, .. } if pickle.is_empty() => {
+            if let Some(p) = p.take() {
+                *v = p;
+            }
+            true
+        }
+        Value::List(items) | Value::Tuple(items) => items.iter_mut().any(|i| fill_deferred(i, p)),
+        Value::Dict(items) => items.iter_mut().any(|(k, i)| fill_deferred(k, p) || fill_deferred(i, p)),
+        _ => false,
     }
 }
 
@@ -96,15 +133,18 @@ fn handle_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Value>> 
 /// object in the receiver, which the value's parts, each turned on its own, would not.
 #[derive(Default)]
 struct Seen {
-    /// The lists, dicts, pickled objects and handles (tensors, arrays, queues, ends) met so
-    /// far, by address (each lives as long as the value being turned, which holds it).
-    /// Immutable values (numbers, strings, bytes, tuples) may come twice: a copy of each is
-    /// the same to the receiver.
+    /// The lists, dicts, handles (tensors, arrays, queues, ends) and the object to pickle
+    /// met so far, by address (each lives as long as the value being turned, which holds
+    /// it). Immutable values (numbers, strings, bytes, tuples) may come twice: a copy of
+    /// each is the same to the receiver.
     met: HashSet<usize, BuildHasherDefault<crate::torch::AddressHasher>>,
-    /// How many handles were made so far.
-    handles: usize,
-    /// Whether an object was pickled so far, and if so whether its pickle named handles.
-    pickled: Option<bool>,
+    /// The one object to pickle met so far, and its depth, pickled only once the whole
+    /// value is known (see [`to_value`]): an object may share anything beside it (a model
+    /// its weights with a tensor beside it, a list with the value, an optimizer its
+    /// parameters with the model beside it), and the whole value is then pickled instead.
+    /// Pickled first and thrown away, it could leave behind what its pickling did (a
+    /// descriptor torch's or multiprocessing's reductions keep for the receiver).
+    deferred: Option<(Py<PyAny>, usize)>,
 }
 
 impl Seen {
@@ -116,37 +156,6 @@ impl Seen {
         } else {
             Err(Refused::Whole)
         }
-    }
-
-    /// Notes a handle made; `Whole` when an object pickled so far named handles (it may
-    /// hold this one: a model beside one of its weights).
-    fn handle(&mut self) -> Result<(), Refused> {
-        if self.pickled == Some(true) {
-            return Err(Refused::Whole);
-        }
-        self.handles += 1;
-        Ok(())
-    }
-
-    /// Whether one more object may be pickled on its own: not when another was (two
-    /// objects may share a third, or one of them hold the other: a model and its
-    /// optimizer, whose parameters are the model's).
-    fn may_pickle(&self) -> Result<(), Refused> {
-        match self.pickled {
-            Some(_) => Err(Refused::Whole),
-            None => Ok(()),
-        }
-    }
-
-    /// Notes `v`, an object pickled on its own; `Whole` when its pickle names handles and
-    /// handles were made beside it (it may hold one of them).
-    fn pickled(&mut self, v: &Value) -> Result<(), Refused> {
-        let names_handles = matches!(v, Value::Object { tensors, .. } if !tensors.is_empty());
-        if names_handles && self.handles > 0 {
-            return Err(Refused::Whole);
-        }
-        self.pickled = Some(names_handles);
-        Ok(())
     }
 }
 
@@ -222,20 +231,26 @@ fn value_of(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize, seen: &mut See
     }
     seen.once(obj)?;
     if let Some(v) = handle_of(py, obj)? {
-        seen.handle()?;
+        // A one-way pipe end is an `Object` with the end one level below it.
+        if matches!(v, Value::Object { .. }) && depth + 2 > tensorshare::value::MAX_DEPTH {
+            return Err(Refused::Whole);
+        }
         return Ok(v);
     }
-    seen.may_pickle()?;
-    let v = pickled_at(py, obj, depth)?;
-    seen.pickled(&v)?;
-    Ok(v)
+    // A second object to pickle: the two may share a third, or one hold the other.
+    if seen.deferred.is_some() {
+        return Err(Refused::Whole);
+    }
+    seen.deferred = Some((obj.clone().unbind(), depth));
+    Ok(deferred_place())
 }
 
 /// `obj` pickled as an `Object` `depth` levels down: the tensors beside its pickle are one
-/// level below it, so one at the deepest level is refused (the caller pickles a value
+/// level below it, and a one-way pipe end among them (an `Object` too) has its end one
+/// more, so one within two levels of the deepest is refused (the caller pickles a value
 /// further up, whole).
 fn pickled_at(py: Python<'_>, obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, Refused> {
-    if depth + 2 > tensorshare::value::MAX_DEPTH {
+    if depth + 3 > tensorshare::value::MAX_DEPTH {
         return Err(Refused::Whole);
     }
     Ok(pickled(py, obj)?)

@@ -299,3 +299,22 @@ def test_a_send_waiting_for_a_peer_that_does_not_read_is_interrupted_by_a_signal
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.split("\n")
     assert lines[0].startswith("interrupted after") and lines[1] == "True", out.stdout
+
+
+def test_a_one_way_end_at_the_deepest_level_travels_whole():
+    # A one-way end travels as an Object with the end one level below it: at the deepest
+    # level a handle may take it was an encode error ("nested deeper than 256 levels"),
+    # where the value is to be pickled whole.
+    import tensorshare
+
+    for duplex in (True, False):
+        r, w = mp.Pipe(duplex=duplex)
+        v = w
+        for _ in range(255):
+            v = [v]
+        got = tensorshare.roundtrip(v)
+        for _ in range(255):
+            got = got[0]
+        assert (got.readable, got.writable) == (duplex, True)
+        got.send("deep")
+        assert r.recv() == "deep"

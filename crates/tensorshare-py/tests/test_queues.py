@@ -142,9 +142,45 @@ def test_objects_and_tensors_that_share_an_object_share_it_in_the_receiver_as_wi
         p.join(LONG)
     assert p.exitcode == 0
     assert not torch.equal(before, model.weight.detach())  # the child's step, in place
-    # A tensor named twice in a value of tensors alone is one tensor there too.
+    # A tensor named twice in a value of tensors alone is one tensor there too, and a list
+    # or dict that an object and the value both hold is one list or dict.
     got = tensorshare.roundtrip([t, t, {"x": t}])
     assert got[0] is got[1] is got[2]["x"]
+    for value, holder, held in [
+        ((_Holder(shared), shared), lambda r: r[0].shared, lambda r: r[1]),
+        ((shared, _Holder(shared)), lambda r: r[1].shared, lambda r: r[0]),
+        ({"cfg": _Holder({"a": 1}), "d": None}, lambda r: r["cfg"].shared, lambda r: r["d"]),
+    ]:
+        if isinstance(value, dict):
+            value["d"] = value["cfg"].shared
+        r = tensorshare.roundtrip(value)
+        assert holder(r) is held(r), value
+
+
+def test_a_value_pickled_whole_pickles_each_object_once_and_leaves_no_descriptor_behind():
+    # An object was pickled as it was met, then thrown away when the value turned out to
+    # need pickling whole: what its pickling did stayed done. torch's reduction of a storage
+    # in its own shared memory (one from torch's queues or DataLoader workers) keeps a
+    # duplicate of its descriptor for the receiver, which no receiver of the thrown-away
+    # pickle came to take: one descriptor more for every put.
+    from multiprocessing import resource_sharer
+
+    torch = import_torch()
+    t = torch.zeros(4)
+    t.untyped_storage()._share_fd_cpu_()  # in torch's own shared memory
+
+    def kept():
+        sharer = resource_sharer._resource_sharer
+        return len(sharer._cache), len(os.listdir("/proc/self/fd"))
+
+    r = tensorshare.roundtrip(_Holder(t))
+    del r
+    before = kept()
+    for _ in range(5):
+        r = tensorshare.roundtrip((_Holder(t), _Holder(1), [t]))
+        assert r[0].shared is r[2][0] and float(r[0].shared.sum()) == 0.0
+        del r
+    assert kept() == before
 
 
 class _GrowsItsDict:
@@ -158,19 +194,32 @@ class _GrowsItsDict:
         return (int, (0,))
 
 
-def test_a_dict_that_changes_size_while_it_is_sent_is_an_error_as_with_pickle(ctx):
-    # Converting a dict's items runs Python code (a pickled item's __reduce__, a
-    # finaliser, another thread while a large tensor is moved); pyo3's iterator panicked
-    # when the dict changed size meanwhile, and put raised pyo3's PanicException, a
+def test_a_dict_that_changes_size_while_it_is_sent_is_an_error_as_with_pickle(ctx, monkeypatch):
+    # Turning a dict's items runs Python code (an array's parts are asked of Python, a
+    # finaliser may run, another thread while a large tensor is moved); pyo3's iterator
+    # panicked when the dict changed size meanwhile, and put raised pyo3's PanicException, a
     # BaseException that `except Exception` does not catch.
     import tensorshare.multiprocessing as mp
+    from tensorshare import _reduction
 
     q = ctx.Queue()
     a, b = mp.Pipe()
+    array_parts = _reduction.array_parts
     for send in (q.put, a.send):
+        d = {"a": np.arange(3), "b": 1}
+
+        def grows(obj, d=d):
+            d[f"k{len(d)}"] = 1
+            return array_parts(obj)
+
+        monkeypatch.setattr(_reduction, "array_parts", grows)
+        with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+            send(d)
+        monkeypatch.setattr(_reduction, "array_parts", array_parts)
+        # An object that changes it as it is pickled (with the dict, whole): pickle's error.
         d = {"a": np.arange(3)}
         d["b"] = _GrowsItsDict(d)
-        with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+        with pytest.raises(Exception, match="dictionary changed size during iteration"):
             send(d)
     q.put({"after": [1, 2]})
     assert q.get(timeout=LONG) == {"after": [1, 2]}
@@ -199,6 +248,9 @@ def test_an_object_that_cannot_be_pickled_names_itself():
 
     lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot send lock"):
+        tensorshare.roundtrip(("x", lock))
+    # Inside a dict, which it might share, the dict is pickled whole: the error names both.
+    with pytest.raises(TypeError, match="cannot send dict .*cannot pickle '_thread.lock'"):
         tensorshare.roundtrip({"x": lock})
 
 
