@@ -897,16 +897,20 @@ fn move_sized<'py>(
     };
     if !moved {
         // Claimed here when the copy here was refused (the storage changed size meanwhile).
+        // (Its wait lets the GIL go: the storage is asked its size again after it. A claim
+        // taken at the start was taken before the size was last asked.)
         let _late = match _moving {
             Some(_) => None,
             None => match Moving::claim(py, api, storage)? {
-                Ok(claim) => Some(claim),
+                Ok(claim) => {
+                    if let Some(now) = resized()? {
+                        return Ok(Moved::Resized(now));
+                    }
+                    Some(claim)
+                }
                 Err(block) => return Ok(Moved::Into(block)),
             },
         };
-        if let Some(now) = resized()? {
-            return Ok(Moved::Resized(now));
-        }
         api.storage_copy.call1(&fresh, storage)?;
         // torch's copy let the GIL go: another thread may have resized the storage since.
         if let Some(now) = resized()? {
