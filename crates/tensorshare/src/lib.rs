@@ -184,6 +184,16 @@ pub mod raw {
         q.lane_claimed()
     }
 
+    /// Runs `f` with `q`'s locks of this process held (its lane's, its hold's, its outbox's
+    /// look at the socket), as a thread holds them while it waits on other processes, which
+    /// no fork guard waits for. For the tests of what a child forked meanwhile can do.
+    pub fn with_queue_locks_held<T: serde::Serialize + serde::de::DeserializeOwned, R>(
+        q: &crate::Queue<T>,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        q.with_locks_held(f)
+    }
+
     /// The layers whose locks no fork guard takes yet (see `util::fork`): empty from the
     /// moment the library is loaded, before any of it is used.
     pub fn layers_without_fork_guard() -> Vec<String> {

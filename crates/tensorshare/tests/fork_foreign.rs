@@ -239,6 +239,68 @@ fn drop_an_inherited_tensor_whose_arena_was_busy(_rank: usize, _: ()) {
     );
 }
 
+/// A child forked while another thread of its parent holds that process's locks of a
+/// queue (as a thread does while it waits on the lane's directory, or on other processes,
+/// with Python's GIL released: no fork guard waits for them) can still use the queue: put,
+/// take what it put, ask whether it is empty, drop it. It locks locks of its own, never
+/// waiting for a thread it does not have. In a helper process of its own.
+#[test]
+fn a_child_forked_while_a_thread_holds_a_queues_locks_can_use_the_queue() {
+    common::isolated_with(use_a_queue_whose_locks_were_held, ());
+}
+
+fn use_a_queue_whose_locks_were_held(_rank: usize, _: ()) {
+    let q = Queue::<Tensor>::new().unwrap();
+    let shared = |v: f32| {
+        let mut t = Tensor::full(&[16], v);
+        t.share_memory().unwrap();
+        t
+    };
+    // Used once, through the lane, so that the locks have something to guard.
+    q.put(shared(1.0)).unwrap();
+    assert_eq!(q.get().unwrap().to_vec::<f32>().unwrap(), vec![1.0; 16]);
+    assert!(tensorshare::raw::lane_claimed(&q) > 0, "the value did not go through the lane");
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (forked, was_forked) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let q = q.clone();
+        std::thread::spawn(move || {
+            tensorshare::raw::with_queue_locks_held(&q, || {
+                locked.send(()).unwrap();
+                was_forked.recv().unwrap();
+            })
+        })
+    };
+    is_locked.recv().unwrap();
+    // SAFETY: as in the tests above; the child uses the queue it inherited and leaves by
+    // _exit.
+    let pid = match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            let used = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                q.put(shared(2.0)).unwrap();
+                let got = q.get_timeout(PATIENCE).unwrap().to_vec::<f32>().unwrap();
+                let empty = q.is_empty();
+                drop(q);
+                got == vec![2.0; 16] && empty
+            }));
+            if !matches!(used, Ok(true)) {
+                say(&format!("the queue did not work: {used:?}"));
+            }
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(if matches!(used, Ok(true)) { 0 } else { 1 }) }
+        }
+        pid => Pid::from_raw(pid).unwrap(),
+    };
+    forked.send(()).unwrap();
+    holder.join().unwrap();
+    let child = how_it_ended(pid, Instant::now() + PATIENCE);
+    // The parent's queue works on.
+    q.put(shared(3.0)).unwrap();
+    assert_eq!(q.get().unwrap().to_vec::<f32>().unwrap(), vec![3.0; 16]);
+    assert_eq!(child, Ok(()), "the child forked while the queue's locks were held");
+}
+
 /// A child forked while its parent holds a shared tensor reads that tensor's values for as
 /// long as it keeps it, though the parent drops its own handle and makes many tensors of
 /// that size meanwhile: the slot stays held for the child (the fork hold), not handed out

@@ -26,6 +26,7 @@ use super::feed::{crowded_backoff, wait_for, FeedError};
 use super::forked::{self, adopted};
 use super::frame::Outgoing;
 use super::socket::{self, Deadline};
+use crate::util::fork::ForkMutex;
 use crate::util::lock;
 use crate::{Error, Result};
 
@@ -45,7 +46,9 @@ pub(crate) struct Outbox {
     /// Records of this process may still wait in the socket: set after each write, and
     /// cleared by `in_socket` once the socket is seen empty.
     in_socket: AtomicBool,
-    looking: Mutex<()>,
+    /// One look at the socket at a time (see `in_socket`); a forked child without an outbox
+    /// of its own looks through this one, with a lock of its own (see `ForkMutex`).
+    looking: ForkMutex<()>,
 }
 
 #[derive(Default)]
@@ -71,7 +74,7 @@ impl Outbox {
             state: Mutex::new(State::default()),
             written: Condvar::new(),
             in_socket: AtomicBool::new(false),
-            looking: Mutex::new(()),
+            looking: ForkMutex::default(),
         }
     }
 
@@ -115,7 +118,7 @@ impl Outbox {
         }
         // One look at a time: while one thread has cleared the flag to look, another must
         // not take it for an answer.
-        let _one = lock(&self.looking);
+        let _one = self.looking.lock();
         // Cleared before the look: a record written after the look sets it again.
         if !self.in_socket.swap(false, Ordering::SeqCst) {
             return false;
@@ -125,6 +128,14 @@ impl Outbox {
             self.in_socket.store(true, Ordering::SeqCst);
         }
         waiting
+    }
+
+    /// Runs `f` with this process's look at the socket locked (for
+    /// `raw::with_queue_locks_held`).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn with_looking_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _one = self.looking.lock();
+        f()
     }
 
     /// One try at writing `out`, announced to receivers first (see `Control::records`).

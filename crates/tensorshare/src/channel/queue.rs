@@ -163,6 +163,15 @@ macro_rules! queue_type {
             pub(crate) fn lane_claimed(&self) -> u64 {
                 self.core.control.lane().tail()
             }
+
+            /// Runs `f` with the queue's per-process locks held, as a thread holds them
+            /// while it waits on the lane's directory (for tests of what a child forked
+            /// meanwhile can do).
+            #[cfg(feature = "test-support")]
+            #[allow(dead_code)] // `raw` asks a Queue only
+            pub(crate) fn with_locks_held<R>(&self, f: impl FnOnce() -> R) -> R {
+                self.core.with_locks_held(f)
+            }
         }
     };
 }

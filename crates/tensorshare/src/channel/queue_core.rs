@@ -15,6 +15,7 @@ use super::frame::{self, Outgoing};
 use super::outbox::Outbox;
 use super::queue_lane::LaneLocal;
 use super::socket::{self, Deadline};
+use crate::util::fork::ForkMutex;
 use crate::util::lock;
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
@@ -28,7 +29,9 @@ pub(crate) struct Core {
     pub(super) rx: Arc<OwnedFd>,
     pub(super) control: Arc<Control>,
     pub(super) outbox: Arc<Outbox>,
-    pub(super) lane: Mutex<LaneLocal>,
+    /// Held while a thread waits on the lane's directory (with Python's GIL released): a
+    /// child forked meanwhile locks one of its own (see `ForkMutex`).
+    pub(super) lane: ForkMutex<LaneLocal>,
 }
 
 impl Drop for Core {
@@ -91,7 +94,7 @@ impl Core {
             rx: Arc::new(rx),
             outbox: Arc::new(Outbox::new(control.clone())),
             control,
-            lane: Mutex::default(),
+            lane: ForkMutex::default(),
         });
         let mut reg = lock(registry());
         reg.retain(|_, w| w.strong_count() > 0);
@@ -124,10 +127,17 @@ impl Core {
             rx: Arc::new(rx),
             outbox: Arc::new(Outbox::new(control.clone())),
             control,
-            lane: Mutex::default(),
+            lane: ForkMutex::default(),
         });
         reg.insert(id, Arc::downgrade(&core));
         Ok(core)
+    }
+
+    /// See `raw::with_queue_locks_held`: taken in the order `lane_put` takes them.
+    #[cfg(feature = "test-support")]
+    pub(super) fn with_locks_held<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _lane = self.lane.lock();
+        self.control.with_hold_locked(|| self.outbox.with_looking_locked(f))
     }
 
     /// Whether anyone but the caller's handle could still put or get: another handle in

@@ -26,7 +26,6 @@ use super::outbox::Gate;
 use super::queue_core::Core;
 use super::socket::{self, Deadline, Received, SPIN};
 use crate::shm::FileId;
-use crate::util::lock;
 use crate::wire::{self, Encoded};
 use crate::{Error, Result};
 
@@ -113,7 +112,7 @@ impl Core {
     pub(super) fn lane_put(&self, msg: &Encoded) -> bool {
         let Some(form) = &msg.lane else { return false };
         let ring = self.lane_ring();
-        let mut l = lock(&self.lane);
+        let mut l = self.lane.lock();
         let Claim::At(pos) = ring.claim() else { return false };
         ring.write(pos, &form.bytes);
         let window = Ring::window(pos);
@@ -147,7 +146,7 @@ impl Core {
 
     /// Lets go of the descriptions this process keeps from the lane's directory.
     pub(super) fn forget_borrowed(&self) {
-        let kept = std::mem::take(&mut lock(&self.lane).borrowed);
+        let kept = std::mem::take(&mut self.lane.lock().borrowed);
         drop(kept); // closed without the lock
     }
 
@@ -175,7 +174,7 @@ impl Core {
     /// Before a record goes into the socket: the gate it must wait for, if this process
     /// has lane messages not taken yet.
     pub(super) fn socket_gate(&self) -> Option<Gate> {
-        let mut l = lock(&self.lane);
+        let mut l = self.lane.lock();
         let last = l.last?;
         if taken(self.lane_ring().head(), last) {
             l.last = None;
@@ -217,7 +216,7 @@ impl Core {
         }
         let _done = Done(self.lane_ring(), pos);
         {
-            let mut l = lock(&self.lane);
+            let mut l = self.lane.lock();
             let window = Ring::window(pos);
             if window != l.forgot_at {
                 l.forgot_at = window;
@@ -279,7 +278,7 @@ impl Core {
     /// Whether the lane's position `pos` has been seen claimed and unpublished (sequence word
     /// `seq`) for `STUCK`, by any look of this process: its producer is taken for dead.
     fn stuck_for_long(&self, pos: u64, seq: u64) -> bool {
-        let mut l = lock(&self.lane);
+        let mut l = self.lane.lock();
         match l.stuck {
             Some((p, s, since)) if p == pos && s == seq => since.elapsed() >= STUCK,
             _ => {

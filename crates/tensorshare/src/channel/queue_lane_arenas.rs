@@ -28,7 +28,6 @@ use super::FETCH_PATIENCE;
 use crate::channel::lane::directory;
 use crate::channel::queue_core::Core;
 use crate::shm::FileId;
-use crate::util::lock;
 use crate::wire::LaneArenas;
 use crate::{Error, Result};
 
@@ -57,7 +56,7 @@ pub(super) struct Taking<'a> {
 
 impl LaneArenas for Taking<'_> {
     fn known(&self, id: FileId) -> bool {
-        lock(&self.core.lane).known.contains(&id)
+        self.core.lane.lock().known.contains(&id)
     }
 
     fn fetch(&self, id: FileId) -> Result<OwnedFd> {
@@ -88,13 +87,13 @@ impl LaneArenas for Taking<'_> {
         let fd = found.and_then(|e| e.fd).ok_or_else(|| {
             Error::invalid("a lane message names an arena its queue's directory does not hold")
         })?;
-        lock(&core.lane).known.insert(id);
+        core.lane.lock().known.insert(id);
         Ok(fd)
     }
 
     fn via(&self, id: FileId, tag: u64) -> Option<Arc<OwnedFd>> {
         let window = self.window;
-        if let Some(b) = lock(&self.core.lane).borrowed.iter_mut().find(|b| b.id == id && b.tag == tag) {
+        if let Some(b) = self.core.lane.lock().borrowed.iter_mut().find(|b| b.id == id && b.tag == tag) {
             b.window = b.window.max(window);
             return b.desc.clone();
         }
@@ -111,7 +110,7 @@ impl LaneArenas for Taking<'_> {
         // Not kept when the look failed (it may succeed next time); kept when it found nothing.
         let Ok(Ok(found)) = found else { return None };
         let desc = found.and_then(|e| e.fd).map(Arc::new);
-        let mut l = lock(&core.lane);
+        let mut l = core.lane.lock();
         // The arena's oldest description goes (its sender has retired it), and the oldest of
         // all past the bound.
         if l.borrowed.iter().filter(|b| b.id == id).count() >= PER_ARENA {

@@ -13,13 +13,13 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::lane::Ring;
 use super::socket::Bell;
 use crate::shm::{Segment, SegmentId};
-use crate::util::lock;
+use crate::util::fork::ForkMutex;
 use crate::{Error, Result, SharingStrategy};
 
 mod places;
@@ -70,11 +70,21 @@ const _: () = assert!(std::mem::size_of::<Counters>() <= super::lane::ENDS_AT);
 pub(crate) struct Control {
     /// The memfd that every holder of the queue maps: counters, then the lane.
     seg: Arc<Segment>,
-    /// This process's hold: (pid, a read-locked description of its own). A forked child
-    /// shares its parent's description, and replaces it with one of its own.
-    hold: Mutex<(i32, OwnedFd)>,
+    /// This process's hold: a read-locked description of its own (always `Some` in the
+    /// process that locks it). A forked child shares its parent's description, and
+    /// replaces it with one of its own. Its mutex is also the lane directory's lock among
+    /// this process's threads, held while a thread waits for other processes (see
+    /// `with_directory`): a child forked meanwhile locks one of its own (`ForkMutex`).
+    hold: ForkMutex<Option<OwnedFd>>,
     /// How long this process's receives on the queue poll awake (see `socket::Patience`).
     patience: super::socket::Patience,
+}
+
+/// This process's hold of a queue, locked (see `Control::hold`): its descriptor, which
+/// stays open while the lock is held.
+struct Held<'a> {
+    fd: std::os::fd::RawFd,
+    _locked: std::sync::MutexGuard<'a, Option<OwnedFd>>,
 }
 
 impl Control {
@@ -86,7 +96,7 @@ impl Control {
         unsafe { seg.as_mut_ptr().add(MAGIC_AT).cast::<u64>().write(MAGIC) };
         // SAFETY: the segment is a control block's size, page-aligned.
         unsafe { Ring::new(&seg) }.init();
-        let hold = Mutex::new((getpid(), locked_description(&seg)?));
+        let hold = ForkMutex::new(Some(locked_description(&seg)?));
         let c = Control { seg: Arc::new(seg), hold, patience: Default::default() };
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         c.counters().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
@@ -105,7 +115,7 @@ impl Control {
         if magic != MAGIC || seg.len() != LEN {
             return Err(Error::invalid("a received queue's control block is not one (wrong size or magic)"));
         }
-        let hold = Mutex::new((getpid(), locked_description(&seg)?));
+        let hold = ForkMutex::new(Some(locked_description(&seg)?));
         drop(received);
         Ok(Control { seg: Arc::new(seg), hold, patience: Default::default() })
     }
@@ -118,14 +128,24 @@ impl Control {
         Ok(())
     }
 
-    /// This process's hold, taken anew if the process was forked since it was taken.
-    fn held(&self) -> Result<std::sync::MutexGuard<'_, (i32, OwnedFd)>> {
-        let mut h = lock(&self.hold);
-        let pid = getpid();
-        if h.0 != pid {
-            *h = (pid, locked_description(&self.seg)?);
+    /// This process's hold, taken anew (the inherited description let go) in a process
+    /// forked since it was taken.
+    fn held(&self) -> Result<Held<'_>> {
+        let h = self.hold.lock_made_with(|inherited| {
+            drop(inherited);
+            locked_description(&self.seg).map(Some)
+        })?;
+        match h.as_ref() {
+            Some(fd) => Ok(Held { fd: fd.as_raw_fd(), _locked: h }),
+            None => Err(Error::invalid("this process has no hold of a queue it uses (a failed fork?)")),
         }
-        Ok(h)
+    }
+
+    /// Runs `f` with this process's hold locked (for `raw::with_queue_locks_held`).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn with_hold_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _held = self.held();
+        f()
     }
 
     pub(super) fn counters(&self) -> &Counters {
@@ -155,9 +175,10 @@ impl Control {
     pub(crate) fn others_alive(&self) -> bool {
         let Ok(h) = self.held() else { return true };
         let mut fl = flock(libc::F_WRLCK as i16);
-        // SAFETY: F_OFD_GETLK with a valid descriptor and a valid, initialised struct flock
-        // (l_pid 0), which lives across the call and which the kernel fills in.
-        let r = unsafe { libc::fcntl(h.1.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+        // SAFETY: F_OFD_GETLK with a valid descriptor (the hold's, open while `h` keeps it
+        // locked) and a valid, initialised struct flock (l_pid 0), which lives across the
+        // call and which the kernel fills in.
+        let r = unsafe { libc::fcntl(h.fd, libc::F_OFD_GETLK, &mut fl) };
         // On error, assume someone is there: waiting on is safer than a false hang-up.
         r != 0 || fl.l_type != libc::F_UNLCK as i16
     }
@@ -182,7 +203,7 @@ impl Control {
             }
         }
         let h = self.held()?;
-        let fd = h.1.as_raw_fd();
+        let fd = h.fd;
         let until = std::time::Instant::now() + patience;
         let mut nap = Duration::from_micros(20);
         while let Err(e) = setlk(fd, DIRECTORY_LOCK, libc::F_WRLCK as i16, libc::F_OFD_SETLK) {
@@ -303,10 +324,6 @@ fn flock(l_type: i16) -> libc::flock {
     fl.l_whence = libc::SEEK_SET as i16;
     fl.l_len = 1;
     fl
-}
-
-fn getpid() -> i32 {
-    crate::util::fork::pid()
 }
 
 /// A new description of the block, read-locked: a hold that lasts as long as it does.
