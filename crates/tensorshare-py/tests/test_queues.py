@@ -736,6 +736,58 @@ def test_a_child_of_os_fork_may_leave_by_os_exit_right_after_its_puts():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
+def test_a_child_forked_while_threads_poll_a_queue_can_use_the_queue():
+    # Threads of the parent poll the queue, with the GIL released inside the package,
+    # holding the queue's locks of their process meanwhile; the main thread forks again and
+    # again. Each child uses the queue once (a poll, a put) and leaves: it must
+    # not find a lock held by a thread it does not have (about 1 fork in 40 hung for good
+    # before each process locked its own). A child that hangs is killed by its alarm.
+    # (In a process of its own.)
+    r = run_python(
+        """
+        import os, queue, signal, threading
+        import tensorshare.multiprocessing as mp
+
+        q = mp.Queue()
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    pass
+
+        threads = [threading.Thread(target=f) for f in (poll, poll, poll)]
+        for t in threads:
+            t.start()
+        hung = 0
+        try:
+            for i in range(300):
+                pid = os.fork()
+                if pid == 0:
+                    signal.alarm(20)
+                    try:
+                        try:
+                            q.get_nowait()
+                        except queue.Empty:
+                            pass
+                        q.put(2)
+                    finally:
+                        os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                hung += status != 0
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        print("hung", hung)
+        """,
+        timeout=LONG,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "hung 0", r.stdout + r.stderr
+
+
 def test_a_queue_travels_inside_a_queue(ctx):
     q = ctx.Queue()
     inner = ctx.Queue()
