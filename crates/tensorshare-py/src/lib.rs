@@ -284,6 +284,15 @@ fn adopt_forked_queues() {
     tensorshare::adopt_forked_queues()
 }
 
+/// Lets go of every free arena of this process and of the arenas its receive cache keeps
+/// mapped for speed (see `tensorshare::trim_arenas`): their memory, and under the
+/// `file_system` strategy their room in /dev/shm, goes back once no other process maps
+/// them. How many arenas of its own it let go of.
+#[pyfunction]
+fn trim_arenas(py: Python<'_>) -> usize {
+    py.detach(tensorshare::trim_arenas)
+}
+
 /// The strategies this platform offers, by torch's names.
 #[pyfunction]
 fn get_all_sharing_strategies() -> Vec<String> {
@@ -315,6 +324,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(move_storage, m)?)?;
     m.add_function(wrap_pyfunction!(refuse_mapped_file, m)?)?;
     m.add_function(wrap_pyfunction!(flush_queues, m)?)?;
+    m.add_function(wrap_pyfunction!(trim_arenas, m)?)?;
     m.add_function(wrap_pyfunction!(wait_dropped_queues, m)?)?;
     m.add_function(wrap_pyfunction!(adopt_forked_queues, m)?)?;
     m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;

@@ -293,6 +293,71 @@ print("memfd:", float(q.get().sum()))
     assert "memfd: 1048576.0" in out.stdout
 
 
+def test_free_arenas_give_their_room_in_dev_shm_back_when_it_is_needed_or_asked_for():
+    # In a 16 MiB /dev/shm, under file_system: 10 MiB of small tensors shared and dropped
+    # stay in this process's arenas for reuse. A tensor of another size that no longer fits
+    # takes their room (the allocator lets free arenas go before it gives up), and
+    # trim_arenas() gives it back for a worker, which has no other way to reach it.
+    import_torch()
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting a 16 MiB tmpfs over /dev/shm needs root and unshare")
+    script = """
+import gc, os
+import torch
+import tensorshare
+import tensorshare.multiprocessing as mp
+
+def free_mib():
+    s = os.statvfs("/dev/shm")
+    return s.f_bavail * s.f_frsize / 2**20
+
+def big(i):
+    return torch.full((3 << 20,), float(i))  # 12 MiB, made in the worker
+
+def fill_and_drop():
+    xs = [torch.full((64 << 10,), float(i)).share_memory_() for i in range(40)]
+    del xs
+    gc.collect()
+    return free_mib()
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mp.set_sharing_strategy("file_system")
+    print("free after dropping:", fill_and_drop() < 1)
+    x = torch.ones(1 << 18).share_memory_()  # 1 MiB: another size class
+    print("1 MiB shared:", x.is_shared() and float(x.sum()) == float(1 << 18))
+    y = torch.ones(3 << 20).share_memory_()  # 12 MiB: an arena of its own
+    print("12 MiB shared:", y.is_shared())
+    del x, y
+    print("dropped again:", fill_and_drop() < 1)
+    print("trimmed:", tensorshare.trim_arenas() > 0, free_mib() > 15)
+    with mp.get_context("fork").Pool(1) as pool:
+        print("worker's 12 MiB:", [float(t[0]) for t in pool.map(big, [7])])
+"""
+    cmd = [
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size=16m tmpfs /dev/shm && cd "$2" && exec "$0" -c "$1"',
+        os.sys.executable,
+        script,
+        os.getcwd(),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "mount" in out.stderr and "permission" in out.stderr.lower():
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == [
+        "free after dropping: True",
+        "1 MiB shared: True",
+        "12 MiB shared: True",
+        "dropped again: True",
+        "trimmed: True True",
+        "worker's 12 MiB: [7.0]",
+    ], out.stdout + out.stderr
+
+
 def test_torch_storage_methods_swapped_in_its_c_type_are_refused_not_followed():
     # A program can rewrite the dict of torch's C type itself (through gc.get_referents of
     # its mappingproxy): here StorageBase.data_ptr becomes nbytes, so a copy that trusted

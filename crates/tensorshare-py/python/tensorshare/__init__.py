@@ -7,7 +7,10 @@ module has the pieces under it:
   numpy array in shared memory, sent without a copy;
 - ``share_memory_(t)``: moves a tensor's storage into shared memory, in place for ``t``;
 - ``roundtrip(obj)``: ``obj`` as another process would receive it (for checking what a value
-  becomes on the wire).
+  becomes on the wire);
+- ``trim_arenas()``: gives back the shared memory this process keeps for reuse (free arenas,
+  and arenas received and kept mapped), and with it, under the ``file_system`` strategy, its
+  room in /dev/shm.
 
 Queues carry values to Rust processes too: see ``tensorshare::Value`` in the Rust crate.
 """
@@ -23,6 +26,7 @@ from ._native import (
     get_sharing_strategy,
     roundtrip,
     set_sharing_strategy,
+    trim_arenas,
 )
 from ._reduction import install_torch_hook as _install_torch_hook
 from ._reduction import new_block as _new_block
@@ -46,6 +50,7 @@ __all__ = [
     "get_sharing_strategy",
     "roundtrip",
     "set_sharing_strategy",
+    "trim_arenas",
 ]
 
 

@@ -183,12 +183,31 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     let slot_size = 1usize << shift;
     let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
     let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
-    let arena = super::listed(Arena::create(slot_size, nslots, strategy)?);
+    let arena = super::listed(create_making_room(alloc, slot_size, nslots, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
+    let class = &mut alloc.classes[(shift - MIN_SLOT_SHIFT) as usize];
     class.arenas.push(arena.clone());
     class.cursor = (class.arenas.len() - 1, 1);
     Ok(Slot { arena, slot: 0 })
+}
+
+/// A new arena; when shared memory has no room for it, once more after letting go of this
+/// allocator's free arenas (those of other size classes, and the large ones kept for
+/// reuse), whose room a program that shared and dropped tensors of other sizes would
+/// otherwise never get back.
+fn create_making_room(
+    alloc: &mut Allocator,
+    slot_size: usize,
+    nslots: usize,
+    strategy: SharingStrategy,
+) -> Result<Arena> {
+    match Arena::create(slot_size, nslots, strategy) {
+        Err(Error::OutOfSharedMemory { .. }) if trim_locked(alloc) > 0 => {
+            Arena::create(slot_size, nslots, strategy)
+        }
+        made => made,
+    }
 }
 
 fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) -> Result<Slot> {
@@ -211,7 +230,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
         }
     }
     retire_large(alloc, Some(want));
-    let arena = super::listed(Arena::create(want, 1, strategy)?);
+    let arena = super::listed(create_making_room(alloc, want, 1, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
     alloc.large.push(arena.clone());
@@ -260,21 +279,25 @@ fn retire_large(alloc: &mut Allocator, coming: Option<usize>) {
 /// Lets go of every arena of this process whose slots are all free (their memory is
 /// returned once no other process maps them). Returns how many were let go.
 pub(crate) fn trim() -> usize {
+    [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem]
+        .into_iter()
+        .map(|strategy| trim_locked(&mut lock(allocator(strategy))))
+        .sum()
+}
+
+/// [`trim`] of one allocator, locked by the caller.
+fn trim_locked(alloc: &mut Allocator) -> usize {
     let mut n = 0;
-    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
-        let mut alloc = lock(allocator(strategy));
-        alloc.drop_inherited();
-        for class in &mut alloc.classes {
-            let before = class.arenas.len();
-            class.arenas.retain(|a| a.in_use());
-            n += before - class.arenas.len();
-            class.cursor = (0, 0);
-        }
-        let before = alloc.large.len();
-        alloc.large.retain(|a| a.in_use());
-        n += before - alloc.large.len();
+    alloc.drop_inherited();
+    for class in &mut alloc.classes {
+        let before = class.arenas.len();
+        class.arenas.retain(|a| a.in_use());
+        n += before - class.arenas.len();
+        class.cursor = (0, 0);
     }
-    n
+    let before = alloc.large.len();
+    alloc.large.retain(|a| a.in_use());
+    n + before - alloc.large.len()
 }
 
 #[cfg(test)]

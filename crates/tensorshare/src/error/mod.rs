@@ -26,8 +26,9 @@ pub enum Error {
     /// Shared memory could not be reserved: the filesystem or memory limit is reached.
     #[error(
         "out of shared memory: {requested} bytes requested, {available} bytes available in {place}; \
-         free some shared tensors, raise the limit (e.g. `docker run --shm-size`), or use the \
-         file_descriptor strategy, which is not bounded by /dev/shm"
+         free some shared tensors (and the arenas other processes keep for reuse: `trim_arenas()` \
+         there), raise the limit (e.g. `docker run --shm-size`), or use the file_descriptor \
+         strategy, which is not bounded by /dev/shm"
     )]
     OutOfSharedMemory {
         /// Bytes the allocation asked for.
