@@ -358,6 +358,50 @@ if __name__ == "__main__":
     ], out.stdout + out.stderr
 
 
+def test_a_receiver_out_of_descriptors_is_told_of_its_descriptor_limit():
+    # Each 9 MiB tensor comes in an arena of its own, which the receiver holds through a
+    # descriptor of its own: under a limit of 64 descriptors, keeping them all runs out. The
+    # error names the limit, not a missing /proc.
+    import_torch()
+    out = run_python(
+        """
+        import resource
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def produce(q, n):
+            torch.set_num_threads(1)
+            for i in range(n):
+                q.put(torch.full(((9 << 20) // 8,), float(i), dtype=torch.float64))
+            q.put(None)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("fork")
+            q = ctx.Queue(maxsize=4)
+            p = ctx.Process(target=produce, args=(q, 80))
+            p.start()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+            kept = []
+            while True:
+                try:
+                    t = q.get(timeout=60)
+                except OSError as e:
+                    print("refused:", e)
+                    kept.clear()
+                    continue
+                if t is None:
+                    break
+                kept.append(t)
+            p.join()
+        """,
+        timeout=LONG * 2,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    refusals = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert refusals, out.stdout + out.stderr
+    assert all("RLIMIT_NOFILE" in line and "/proc" not in line for line in refusals), refusals
+
+
 def test_torch_storage_methods_swapped_in_its_c_type_are_refused_not_followed():
     # A program can rewrite the dict of torch's C type itself (through gc.get_referents of
     # its mappingproxy): here StorageBase.data_ptr becomes nbytes, so a copy that trusted

@@ -296,7 +296,14 @@ pub(crate) fn reopen(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
         rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
-    .map_err(|e| Error::io("reopening a shared-memory segment through /proc/self/fd (is /proc mounted?)", e))
+    .map_err(|e| match e {
+        rustix::io::Errno::MFILE | rustix::io::Errno::NFILE => Error::io(
+            "reopening a shared-memory segment: this process has reached its descriptor limit \
+             (RLIMIT_NOFILE); raise it or hold fewer shared segments",
+            e,
+        ),
+        e => Error::io("reopening a shared-memory segment through /proc/self/fd (is /proc mounted?)", e),
+    })
 }
 
 /// The seals every memfd of ours carries once sized: its length can never change again, and
