@@ -331,8 +331,9 @@ impl PyQueue {
         }
     }
 
-    /// Takes the next value; `queue.Empty` when none comes before the deadline, `EOFError`
-    /// when none can come any more (no handle to the queue is left anywhere else).
+    /// Takes the next value; `queue.Empty` when none comes before the deadline. As Python's
+    /// own queues do, it waits on when no other handle of the queue is left anywhere (this
+    /// process may still put): give a timeout to a `get` whose producers may die.
     #[pyo3(signature = (block = true, timeout = None))]
     fn get(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         match self.wait(py, deadline_of(block, timeout)?)? {
