@@ -184,6 +184,12 @@ pub mod raw {
         q.lane_claimed()
     }
 
+    /// Takes one of `q`'s places and keeps it, as a producer killed right after taking one
+    /// and before writing its record does: whether there was one to take.
+    pub fn lose_a_place<T: serde::Serialize + serde::de::DeserializeOwned>(q: &crate::Queue<T>) -> bool {
+        q.lose_a_place()
+    }
+
     /// Runs `f` with `q`'s locks of this process held (its lane's, its hold's, its outbox's
     /// look at the socket), as a thread holds them while it waits on other processes, which
     /// no fork guard waits for. For the tests of what a child forked meanwhile can do.

@@ -164,6 +164,13 @@ macro_rules! queue_type {
                 self.core.control.lane().tail()
             }
 
+            /// Takes a place and keeps it (see `raw::lose_a_place`).
+            #[cfg(feature = "test-support")]
+            #[allow(dead_code)] // `raw` asks a Queue only
+            pub(crate) fn lose_a_place(&self) -> bool {
+                self.core.control.lose_a_place()
+            }
+
             /// Runs `f` with the queue's per-process locks held, as a thread holds them
             /// while it waits on the lane's directory (for tests of what a child forked
             /// meanwhile can do).

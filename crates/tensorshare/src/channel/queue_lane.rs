@@ -351,6 +351,7 @@ impl Core {
             if bell.rung() != rung {
                 continue;
             }
+            self.control.watch_lost_places(rung, || self.drained());
             if !closed && since.elapsed() >= QUIET {
                 self.close_idle_window();
                 // Nothing this process borrowed from any lane is kept through a long wait.

@@ -78,6 +78,9 @@ pub(crate) struct Control {
     hold: ForkMutex<Option<OwnedFd>>,
     /// How long this process's receives on the queue poll awake (see `socket::Patience`).
     patience: super::socket::Patience,
+    /// What a consumer waiting on the drained queue last counted (see
+    /// `watch_lost_places`): free places, the bell's value, and since when.
+    lost_watch: ForkMutex<Option<(u32, u32, std::time::Instant)>>,
 }
 
 /// This process's hold of a queue, locked (see `Control::hold`): its descriptor, which
@@ -97,7 +100,12 @@ impl Control {
         // SAFETY: the segment is a control block's size, page-aligned.
         unsafe { Ring::new(&seg) }.init();
         let hold = ForkMutex::new(Some(locked_description(&seg)?));
-        let c = Control { seg: Arc::new(seg), hold, patience: Default::default() };
+        let c = Control {
+            seg: Arc::new(seg),
+            hold,
+            patience: Default::default(),
+            lost_watch: Default::default(),
+        };
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         c.counters().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
@@ -117,7 +125,7 @@ impl Control {
         }
         let hold = ForkMutex::new(Some(locked_description(&seg)?));
         drop(received);
-        Ok(Control { seg: Arc::new(seg), hold, patience: Default::default() })
+        Ok(Control { seg: Arc::new(seg), hold, patience: Default::default(), lost_watch: Default::default() })
     }
 
     /// A message brought the queue to a process that holds it already: the message's hold

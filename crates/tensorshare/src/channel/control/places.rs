@@ -6,6 +6,11 @@ use std::time::Duration;
 
 use super::{Control, UNBOUNDED};
 
+/// How long a bounded queue's free places must stay short of its capacity, with the queue
+/// drained and nothing sent, before a waiting consumer gives the missing ones back (two of
+/// the 50 ms slices after which a waiting producer does: see `restore_places`).
+const LOST_AFTER: Duration = Duration::from_millis(100);
+
 impl Control {
     /// Gives every place back when the queue is empty and none is free: a consumer killed
     /// between taking a record and giving its place back cannot lose that place for good.
@@ -30,6 +35,51 @@ impl Control {
                 i32::MAX as u32,
             );
         }
+    }
+
+    /// Gives back the places a bounded queue lost while it still has free ones, which
+    /// `restore_places` (run by producers that find none) never sees: a consumer calls it
+    /// each time it has waited a nap on the queue with nothing sent (the bell still at
+    /// `rung`); `drained` says whether the queue holds nothing now. Free places below the
+    /// capacity that stay the same for `LOST_AFTER`, with the queue drained and nothing sent
+    /// all along, were lost (a producer killed between taking a place and writing its
+    /// record), not taken: a live process holds one with nothing in the queue only for a
+    /// few instructions (see `restore_places`, whose caveat for a stopped one holds here
+    /// too).
+    pub(crate) fn watch_lost_places(&self, rung: u32, drained: impl FnOnce() -> bool) {
+        let b = self.counters();
+        let cap = b.capacity.load(Ordering::Relaxed);
+        if cap == UNBOUNDED {
+            return;
+        }
+        let mut watch = self.lost_watch.lock();
+        let free = b.permits.load(Ordering::Acquire);
+        if free >= cap || !drained() {
+            *watch = None;
+            return;
+        }
+        match *watch {
+            Some((seen, bell, since)) if seen == free && bell == rung => {
+                if since.elapsed() >= LOST_AFTER {
+                    *watch = None;
+                    if b.permits.compare_exchange(free, cap, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                        let _ = rustix::thread::futex::wake(
+                            &b.permits,
+                            rustix::thread::futex::Flags::empty(),
+                            i32::MAX as u32,
+                        );
+                    }
+                }
+            }
+            _ => *watch = Some((free, rung, std::time::Instant::now())),
+        }
+    }
+
+    /// Takes a place and keeps it, as a producer killed right after taking one does (for
+    /// `raw::lose_a_place`).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn lose_a_place(&self) -> bool {
+        self.try_acquire()
     }
 
     /// Whether a bounded queue has no free place now (a `put` would wait).
