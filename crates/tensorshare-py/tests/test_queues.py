@@ -739,13 +739,16 @@ def test_a_child_of_os_fork_may_leave_by_os_exit_right_after_its_puts():
 def test_a_child_forked_while_threads_poll_a_queue_can_use_the_queue():
     # Threads of the parent poll the queue, with the GIL released inside the package,
     # holding the queue's locks of their process meanwhile; the main thread forks again and
-    # again. Each child uses the queue once (a poll, a put) and leaves: it must
-    # not find a lock held by a thread it does not have (about 1 fork in 40 hung for good
-    # before each process locked its own). A child that hangs is killed by its alarm.
-    # (In a process of its own.)
+    # again. Each child uses the queue once (a poll, a put) and leaves: it must not find a
+    # lock held by a thread it does not have (about 1 fork in 40 hung for good before each
+    # process locked its own), and it holds the queue through one description of its own,
+    # as its parent does, whether or not a thread held the lock at the fork (the copy of its
+    # parent's is closed: one kept open would count as another holder of the queue for as
+    # long as the child lives). A child that hangs is killed by its alarm. (In a process of
+    # its own.)
     r = run_python(
         """
-        import os, queue, signal, threading
+        import collections, os, queue, signal, threading
         import tensorshare.multiprocessing as mp
 
         q = mp.Queue()
@@ -758,12 +761,26 @@ def test_a_child_forked_while_threads_poll_a_queue_can_use_the_queue():
                 except queue.Empty:
                     pass
 
-        threads = [threading.Thread(target=f) for f in (poll, poll, poll)]
+        def read_locked():
+            # Open descriptions of this process with an OFD read lock: the queue's hold.
+            n = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    with open(f"/proc/self/fdinfo/{fd}") as f:
+                        info = f.read()
+                except OSError:
+                    continue
+                n += "OFDLCK" in info and "READ" in info
+            return n
+
+        holds = read_locked()
+        threads = [threading.Thread(target=poll) for _ in range(3)]
         for t in threads:
             t.start()
-        hung = 0
+        children = collections.Counter()
         try:
             for i in range(300):
+                r, w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
                     signal.alarm(20)
@@ -773,19 +790,23 @@ def test_a_child_forked_while_threads_poll_a_queue_can_use_the_queue():
                         except queue.Empty:
                             pass
                         q.put(2)
+                        os.write(w, str(read_locked()).encode())
                     finally:
                         os._exit(0)
+                os.close(w)
+                got = os.read(r, 16).decode()
+                os.close(r)
                 _, status = os.waitpid(pid, 0)
-                hung += status != 0
+                children["hung" if status else got] += 1
         finally:
             stop.set()
             for t in threads:
                 t.join()
-        print("hung", hung)
+        print(holds, dict(children))
         """,
         timeout=LONG,
     )
-    assert r.returncode == 0 and r.stdout.strip() == "hung 0", r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "1 {'1': 300}", r.stdout + r.stderr
 
 
 def test_a_queue_travels_inside_a_queue(ctx):

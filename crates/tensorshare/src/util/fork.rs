@@ -2,7 +2,7 @@
 //! its own, and those it does not make (Python's `os.fork` and fork start method, a
 //! program's `libc::fork`), whose children use the same statics. A child has only the
 //! forking thread, so it must never find a lock held, or a static half made, by a thread
-//! that does not exist there. Two rules keep it so:
+//! that does not exist there. Three rules keep it so:
 //!
 //! - Every static mutex that is never held across a wait is taken around every fork: each
 //!   layer registers, as the library loads ([`guard_at_load!`]), a function that takes its
@@ -283,7 +283,7 @@ pub(crate) fn take_all() -> Vec<Box<dyn Any>> {
 /// taken out, and the child goes on as its parent left it), else from `X::default()`.
 /// Nothing ever waits for an inherited mutex, and an inherited value that a thread was
 /// changing at the fork is never touched again (nor dropped): it is left as it is, with
-/// whatever it holds.
+/// whatever it holds (what a child must let go of, such as a queue's hold, is kept outside).
 pub(crate) struct ForkMutex<X: Default> {
     /// The mutex of the latest generation that locked it: made by `new` or by a first lock
     /// in a child, and never freed while `self` lives (see `Drop`).
@@ -309,26 +309,10 @@ impl<X: Default> ForkMutex<X> {
     /// This process's mutex, locked (also after a panic of another holder, as
     /// [`lock`](super::lock) does).
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, X> {
-        match self.lock_made_with(Ok::<X, std::convert::Infallible>) {
-            Ok(guard) => guard,
-            Err(never) => match never {},
-        }
+        super::lock(&self.mine().mutex)
     }
 
-    /// As [`lock`](Self::lock), where a child's value is made by `make` from what it
-    /// inherited (or from `X::default()`, see the type): `make` may fail, and the next lock
-    /// then tries again from `X::default()`.
-    pub(crate) fn lock_made_with<E>(
-        &self,
-        make: impl FnOnce(X) -> std::result::Result<X, E>,
-    ) -> std::result::Result<std::sync::MutexGuard<'_, X>, E> {
-        Ok(super::lock(&self.mine(make)?.mutex))
-    }
-
-    fn mine<E>(
-        &self,
-        make: impl FnOnce(X) -> std::result::Result<X, E>,
-    ) -> std::result::Result<&Generational<X>, E> {
+    fn mine(&self) -> &Generational<X> {
         let now = generation();
         let seen = self.cur.load(Ordering::Acquire);
         // SAFETY: `cur` always points to a `Generational` made by `Box::into_raw`, which is
@@ -336,7 +320,7 @@ impl<X: Default> ForkMutex<X> {
         // replaces is left allocated. So it lives as long as `&self`.
         let current = unsafe { &*seen };
         if current.generation == now {
-            return Ok(current);
+            return current;
         }
         // Inherited by fork. `try_lock`, never `lock`: a thread that held it at the fork is
         // not in this process, and never lets go.
@@ -347,12 +331,12 @@ impl<X: Default> ForkMutex<X> {
         };
         let made = Box::into_raw(Box::new(Generational {
             generation: now,
-            mutex: std::sync::Mutex::new(make(inherited)?),
+            mutex: std::sync::Mutex::new(inherited),
         }));
         match self.cur.compare_exchange(seen, made, Ordering::AcqRel, Ordering::Acquire) {
             // SAFETY: `made` is the box made above, now in `cur` (see above for how long it
             // lives).
-            Ok(_) => Ok(unsafe { &*made }),
+            Ok(_) => unsafe { &*made },
             Err(first) => {
                 // Another thread of this process made this process's first. `made` never left
                 // this thread: it goes (with what it took over, which is this process's to
@@ -362,7 +346,7 @@ impl<X: Default> ForkMutex<X> {
                 drop(unsafe { Box::from_raw(made) });
                 // SAFETY: as for `seen` above. It is of this generation: only a thread of this
                 // process replaces `cur` here, and always with one of its own generation.
-                Ok(unsafe { &*first })
+                unsafe { &*first }
             }
         }
     }

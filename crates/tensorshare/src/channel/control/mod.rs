@@ -11,7 +11,7 @@
 //! OFD locks rather than POSIX ones: a POSIX lock is dropped when the process closes *any*
 //! descriptor of the file, as receiving a queue it holds already, or sending one, does.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,12 +70,17 @@ const _: () = assert!(std::mem::size_of::<Counters>() <= super::lane::ENDS_AT);
 pub(crate) struct Control {
     /// The memfd that every holder of the queue maps: counters, then the lane.
     seg: Arc<Segment>,
-    /// This process's hold: a read-locked description of its own (always `Some` in the
-    /// process that locks it). A forked child shares its parent's description, and
-    /// replaces it with one of its own. Its mutex is also the lane directory's lock among
-    /// this process's threads, held while a thread waits for other processes (see
+    /// This process's hold: a read-locked description of its own, owned here (closed by
+    /// `Drop`). A forked child shares its parent's description, and replaces its copy with
+    /// a description of its own (see `held`), then closes the copy: closing its own copy
+    /// affects no other process, and none of its threads uses it.
+    hold_fd: std::sync::atomic::AtomicI32,
+    /// The fork generation whose hold `hold_fd` is.
+    hold_generation: std::sync::atomic::AtomicU64,
+    /// Taken to use or replace `hold_fd`, and the lane directory's lock among this
+    /// process's threads, held while a thread waits for other processes (see
     /// `with_directory`): a child forked meanwhile locks one of its own (`ForkMutex`).
-    hold: ForkMutex<Option<OwnedFd>>,
+    hold: ForkMutex<()>,
     /// How long this process's receives on the queue poll awake (see `socket::Patience`).
     patience: super::socket::Patience,
     /// What a consumer waiting on the drained queue last counted (see
@@ -83,11 +88,20 @@ pub(crate) struct Control {
     lost_watch: ForkMutex<Option<(u32, u32, std::time::Instant)>>,
 }
 
+impl Drop for Control {
+    fn drop(&mut self) {
+        // SAFETY: `hold_fd` owns this descriptor (made by `locked_description`, or this
+        // process's copy of it by fork), which nothing else closes; with `&mut self`, no
+        // `Held` uses it any more.
+        drop(unsafe { OwnedFd::from_raw_fd(*self.hold_fd.get_mut()) });
+    }
+}
+
 /// This process's hold of a queue, locked (see `Control::hold`): its descriptor, which
 /// stays open while the lock is held.
 struct Held<'a> {
     fd: std::os::fd::RawFd,
-    _locked: std::sync::MutexGuard<'a, Option<OwnedFd>>,
+    _locked: std::sync::MutexGuard<'a, ()>,
 }
 
 impl Control {
@@ -99,13 +113,8 @@ impl Control {
         unsafe { seg.as_mut_ptr().add(MAGIC_AT).cast::<u64>().write(MAGIC) };
         // SAFETY: the segment is a control block's size, page-aligned.
         unsafe { Ring::new(&seg) }.init();
-        let hold = ForkMutex::new(Some(locked_description(&seg)?));
-        let c = Control {
-            seg: Arc::new(seg),
-            hold,
-            patience: Default::default(),
-            lost_watch: Default::default(),
-        };
+        let hold = locked_description(&seg)?;
+        let c = Control::with_hold(seg, hold);
         c.counters().permits.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         c.counters().capacity.store(capacity.unwrap_or(UNBOUNDED), Ordering::Relaxed);
         Ok(c)
@@ -123,9 +132,20 @@ impl Control {
         if magic != MAGIC || seg.len() != LEN {
             return Err(Error::invalid("a received queue's control block is not one (wrong size or magic)"));
         }
-        let hold = ForkMutex::new(Some(locked_description(&seg)?));
+        let hold = locked_description(&seg)?;
         drop(received);
-        Ok(Control { seg: Arc::new(seg), hold, patience: Default::default(), lost_watch: Default::default() })
+        Ok(Control::with_hold(seg, hold))
+    }
+
+    fn with_hold(seg: Segment, hold: OwnedFd) -> Control {
+        Control {
+            seg: Arc::new(seg),
+            hold_fd: std::sync::atomic::AtomicI32::new(hold.into_raw_fd()),
+            hold_generation: std::sync::atomic::AtomicU64::new(crate::util::fork::generation()),
+            hold: ForkMutex::default(),
+            patience: Default::default(),
+            lost_watch: Default::default(),
+        }
     }
 
     /// A message brought the queue to a process that holds it already: the message's hold
@@ -136,17 +156,23 @@ impl Control {
         Ok(())
     }
 
-    /// This process's hold, taken anew (the inherited description let go) in a process
-    /// forked since it was taken.
+    /// This process's hold, taken anew in a process forked since it was taken (the
+    /// inherited copy of the parent's description then closed).
     fn held(&self) -> Result<Held<'_>> {
-        let h = self.hold.lock_made_with(|inherited| {
-            drop(inherited);
-            locked_description(&self.seg).map(Some)
-        })?;
-        match h.as_ref() {
-            Some(fd) => Ok(Held { fd: fd.as_raw_fd(), _locked: h }),
-            None => Err(Error::invalid("this process has no hold of a queue it uses (a failed fork?)")),
+        let locked = self.hold.lock();
+        let now = crate::util::fork::generation();
+        if self.hold_generation.load(Ordering::Relaxed) != now {
+            let mine = locked_description(&self.seg)?.into_raw_fd();
+            let inherited = self.hold_fd.swap(mine, Ordering::Relaxed);
+            self.hold_generation.store(now, Ordering::Relaxed);
+            // SAFETY: `inherited` is this process's copy of the descriptor the process it was
+            // forked from held the queue with: `hold_fd` owns it (nothing else closes it), and
+            // it is used only under `hold`, which this thread holds (a thread of the parent
+            // that held the parent's lock at the fork is not in this process), so nothing
+            // uses it any more.
+            drop(unsafe { OwnedFd::from_raw_fd(inherited) });
         }
+        Ok(Held { fd: self.hold_fd.load(Ordering::Relaxed), _locked: locked })
     }
 
     /// Runs `f` with this process's hold locked (for `raw::with_queue_locks_held`).
