@@ -250,10 +250,6 @@ fn len_counts_what_every_process_put_and_took() {
     assert_eq!(q.len(), 0);
 }
 
-/// A count left one too high heals the next time the queue is seen empty, so that `while
-/// q.len() > 0` cannot spin for ever. A worker reads one record straight off the queue's
-/// socket, as a consumer killed between taking a record and counting it leaves things.
-/// (Values larger than a lane's cell, so that they travel through the socket.)
 /// A bounded queue keeps its capacity when producers die between taking a place and
 /// writing their record, also while it still has free places (no producer then waits and
 /// finds the loss): a consumer that waits on the drained queue gives the lost ones back.
@@ -267,7 +263,7 @@ fn places_lost_by_producers_killed_mid_put_come_back_while_others_are_free() {
     ctx.join(None).unwrap();
     // Another handle here: the queue could still get a value, so the wait lasts.
     let _producer = q.clone();
-    assert!(matches!(q.get_timeout(Duration::from_millis(300)), Err(Error::Timeout)));
+    assert!(matches!(q.get_timeout(Duration::from_millis(2500)), Err(Error::Timeout)));
     for i in 0..4 {
         q.try_put(i).unwrap_or_else(|e| panic!("place {i} of 4 was lost: {e}"));
     }
@@ -275,6 +271,10 @@ fn places_lost_by_producers_killed_mid_put_come_back_while_others_are_free() {
     assert_eq!((0..4).map(|_| q.get().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3]);
 }
 
+/// A count left one too high heals the next time the queue is seen empty, so that `while
+/// q.len() > 0` cannot spin for ever. A worker reads one record straight off the queue's
+/// socket, as a consumer killed between taking a record and counting it leaves things.
+/// (Values larger than a lane's cell, so that they travel through the socket.)
 #[test]
 fn a_count_left_too_high_heals_when_the_queue_is_seen_empty() {
     let q: Queue<Vec<u8>> = Queue::new().unwrap();

@@ -7,9 +7,11 @@ use std::time::Duration;
 use super::{Control, UNBOUNDED};
 
 /// How long a bounded queue's free places must stay short of its capacity, with the queue
-/// drained and nothing sent, before a waiting consumer gives the missing ones back (two of
-/// the 50 ms slices after which a waiting producer does: see `restore_places`).
-const LOST_AFTER: Duration = Duration::from_millis(100);
+/// drained and nothing sent, before a waiting consumer gives the missing ones back: longer
+/// than a live producer is kept off its CPU between taking a place and writing its record
+/// (a container's CPU quota throttles for up to 100 ms). Nothing waits for these places
+/// meanwhile, as other places are free.
+const LOST_AFTER: Duration = Duration::from_secs(1);
 
 impl Control {
     /// Gives every place back when the queue is empty and none is free: a consumer killed
@@ -45,7 +47,7 @@ impl Control {
     /// all along, were lost (a producer killed between taking a place and writing its
     /// record), not taken: a live process holds one with nothing in the queue only for a
     /// few instructions (see `restore_places`, whose caveat for a stopped one holds here
-    /// too).
+    /// too, as for one kept off its CPU that long).
     pub(crate) fn watch_lost_places(&self, rung: u32, drained: impl FnOnce() -> bool) {
         let b = self.counters();
         let cap = b.capacity.load(Ordering::Relaxed);
