@@ -26,7 +26,7 @@ use super::feed::{crowded_backoff, wait_for, FeedError};
 use super::forked::{self, adopted};
 use super::frame::Outgoing;
 use super::socket::{self, Deadline};
-use crate::util::fork::ForkMutex;
+use crate::util::fork_mutex::ForkMutex;
 use crate::util::lock;
 use crate::{Error, Result};
 
@@ -48,7 +48,7 @@ pub(crate) struct Outbox {
     in_socket: AtomicBool,
     /// One look at the socket at a time (see `in_socket`); a forked child without an outbox
     /// of its own looks through this one, with a lock of its own (see `ForkMutex`).
-    looking: ForkMutex<()>,
+    pub(super) looking: ForkMutex<()>,
 }
 
 #[derive(Default)]
@@ -128,14 +128,6 @@ impl Outbox {
             self.in_socket.store(true, Ordering::SeqCst);
         }
         waiting
-    }
-
-    /// Runs `f` with this process's look at the socket locked (for
-    /// `raw::with_queue_locks_held`).
-    #[cfg(feature = "test-support")]
-    pub(crate) fn with_looking_locked<R>(&self, f: impl FnOnce() -> R) -> R {
-        let _one = self.looking.lock();
-        f()
     }
 
     /// One try at writing `out`, announced to receivers first (see `Control::records`).

@@ -15,7 +15,7 @@ use super::frame::{self, Outgoing};
 use super::outbox::Outbox;
 use super::queue_lane::LaneLocal;
 use super::socket::{self, Deadline};
-use crate::util::fork::ForkMutex;
+use crate::util::fork_mutex::ForkMutex;
 use crate::util::lock;
 use crate::wire::{self, FdSource};
 use crate::{Error, Result};
@@ -137,7 +137,10 @@ impl Core {
     #[cfg(feature = "test-support")]
     pub(super) fn with_locks_held<R>(&self, f: impl FnOnce() -> R) -> R {
         let _lane = self.lane.lock();
-        self.control.with_hold_locked(|| self.outbox.with_looking_locked(f))
+        self.control.with_hold_locked(|| {
+            let _looking = self.outbox.looking.lock();
+            f()
+        })
     }
 
     /// Whether anyone but the caller's handle could still put or get: another handle in

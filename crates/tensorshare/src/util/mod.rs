@@ -69,6 +69,7 @@ impl std::hash::Hasher for FastHasher {
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
 
 pub(crate) mod fork;
+pub(crate) mod fork_mutex;
 mod lazy;
 
 pub(crate) use lazy::Lazy;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use super::lane::Ring;
 use super::socket::Bell;
 use crate::shm::{Segment, SegmentId};
-use crate::util::fork::ForkMutex;
+use crate::util::fork_mutex::ForkMutex;
 use crate::{Error, Result, SharingStrategy};
 
 mod places;
