@@ -1,6 +1,7 @@
 //! This process's arenas and how their slots are handed out: size classes of growing
 //! arenas, one-slot arenas for large storages kept for reuse within bounds, and trimming.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{Arena, Slot, MAX_SLOTS, PAGE};
@@ -31,10 +32,24 @@ const LARGE_RETAIN_TOTAL: usize = 1 << 30;
 const LARGE_RETAIN_COUNT: usize = 8;
 const LARGE_IDLE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Named arenas (file_system) take room in a filesystem that every process shares and
+/// that may be small (a container's 64 MiB /dev/shm), where room a process keeps for reuse
+/// is room another cannot have. Where that filesystem has a size, a process's named pooled
+/// arenas hold at most `room / ROOM_ARENA` bytes of data each (free slots of one size class
+/// cannot serve another), and once its arenas take more than `room / ROOM_BUSY` in all, it
+/// keeps at most `room / ROOM_FREE` bytes of free arenas when it makes another; the rest go
+/// back (their room returns once no other process maps them: see the receive cache).
+const ROOM_ARENA: usize = 64;
+const ROOM_BUSY: usize = 8;
+const ROOM_FREE: usize = 16;
+
 /// Where this process's arenas are kept, one allocator per strategy.
 struct Allocator {
     classes: Vec<ClassArenas>,
     large: Vec<Arc<Arena>>,
+    /// The size of the filesystem its arenas take room in, where that is bounded (see
+    /// `ROOM_ARENA`); `None` for memfds.
+    room: Option<usize>,
 }
 
 #[derive(Default)]
@@ -46,8 +61,12 @@ struct ClassArenas {
 }
 
 impl Allocator {
-    fn new() -> Allocator {
-        Allocator { classes: (0..CLASSES).map(|_| ClassArenas::default()).collect(), large: Vec::new() }
+    fn new(room: Option<usize>) -> Allocator {
+        Allocator { classes: (0..CLASSES).map(|_| ClassArenas::default()).collect(), large: Vec::new(), room }
+    }
+
+    fn arenas(&self) -> impl Iterator<Item = &Arc<Arena>> {
+        self.classes.iter().flat_map(|c| c.arenas.iter()).chain(self.large.iter())
     }
 
     /// Forgets arenas inherited through fork: this process cannot hand their slots out.
@@ -74,8 +93,10 @@ crate::util::fork::guard_at_load!(crate::util::fork::Rank::Allocator, |out| {
 
 fn allocator(strategy: SharingStrategy) -> &'static Mutex<Allocator> {
     match strategy {
-        SharingStrategy::FileDescriptor => FD.get_or_make(|| Mutex::new(Allocator::new())),
-        SharingStrategy::FileSystem => FS.get_or_make(|| Mutex::new(Allocator::new())),
+        SharingStrategy::FileDescriptor => FD.get_or_make(|| Mutex::new(Allocator::new(None))),
+        SharingStrategy::FileSystem => {
+            FS.get_or_make(|| Mutex::new(Allocator::new(crate::shm::named_room())))
+        }
     }
 }
 
@@ -108,7 +129,7 @@ pub(crate) fn unlink_own_names() {
     // the process exits: then leave the files to the group's cleaner rather than deadlock
     // in exit.
     let Some(Ok(alloc)) = FS.get().map(Mutex::try_lock) else { return };
-    for arena in alloc.classes.iter().flat_map(|c| c.arenas.iter()).chain(alloc.large.iter()) {
+    for arena in alloc.arenas() {
         if let Some(name) = arena.seg.name() {
             if crate::shm::parse_name(name).is_some_and(|(_, creator)| creator == me) {
                 crate::shm::unlink_name(name);
@@ -181,8 +202,10 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
         }
     }
     let slot_size = 1usize << shift;
-    let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(ARENA_DATA);
+    let most = alloc.room.map_or(ARENA_DATA, |room| ARENA_DATA.min(room / ROOM_ARENA));
+    let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(most);
     let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
+    keep_within_room(alloc, slot_size.saturating_mul(nslots));
     let arena = super::listed(create_making_room(alloc, slot_size, nslots, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
@@ -190,6 +213,41 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     class.arenas.push(arena.clone());
     class.cursor = (class.arenas.len() - 1, 1);
     Ok(Slot { arena, slot: 0 })
+}
+
+/// Before this allocator makes an arena of `coming` bytes, and when one of its named
+/// arenas loses its last handle here: where its room is bounded and its arenas would take
+/// more than `room / ROOM_BUSY`, lets go of arenas with no handle here beyond
+/// `room / ROOM_FREE` bytes of them. Other processes may still hold some of those (messages
+/// in flight, storages received): letting go here takes nothing from them, whose
+/// descriptors keep the memory, and its room goes back to the filesystem when the last of
+/// them lets go, as a file per storage does. Asking the kernel which are free elsewhere
+/// would not do: one held elsewhere now is free a moment later, while this process may
+/// not allocate again for long.
+fn keep_within_room(alloc: &mut Allocator, coming: usize) {
+    let Some(room) = alloc.room else { return };
+    let total = alloc.arenas().map(|a| a.seg.len()).fold(coming, usize::saturating_add);
+    let busy = total > room / ROOM_BUSY;
+    NAMED_BUSY.store(busy, Ordering::Relaxed);
+    if !busy {
+        return;
+    }
+    let mut free = 0usize;
+    let mut keep = |a: &Arc<Arena>| {
+        if a.has_handles_here() {
+            return true;
+        }
+        free = free.saturating_add(a.seg.len());
+        free <= room / ROOM_FREE
+    };
+    for class in &mut alloc.classes {
+        let before = class.arenas.len();
+        class.arenas.retain(&mut keep);
+        if class.arenas.len() != before {
+            class.cursor = (0, 0);
+        }
+    }
+    alloc.large.retain(keep);
 }
 
 /// A new arena; when shared memory has no room for it, once more after letting go of this
@@ -230,6 +288,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
         }
     }
     retire_large(alloc, Some(want));
+    keep_within_room(alloc, want);
     let arena = super::listed(create_making_room(alloc, want, 1, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
@@ -237,15 +296,26 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
     Ok(Slot { arena, slot: 0 })
 }
 
-/// A one-slot arena of this process lost its last handle here: applies the bounds now,
-/// unless the allocator is busy (this very thread may be allocating), when the next
-/// allocation applies them.
-pub(super) fn large_freed(strategy: SharingStrategy) {
+/// A large arena of this process, or a slot of a named one, lost its last handle here:
+/// applies the bounds now (`LARGE_RETAIN`, `ROOM_FREE`), unless the allocator is busy (this
+/// very thread may be allocating), when the next allocation applies them.
+pub(super) fn freed_here(strategy: SharingStrategy) {
     if let Ok(mut alloc) = allocator(strategy).try_lock() {
         // Inherited arenas' states may be locked for good in a forked child.
         alloc.drop_inherited();
         retire_large(&mut alloc, None);
+        keep_within_room(&mut alloc, 0);
     }
+}
+
+/// Whether this process's named arenas took more than `room / ROOM_BUSY` when last
+/// counted (at the last one made, or slot freed while this was so): then each slot freed
+/// here applies `keep_within_room`, and otherwise costs nothing more.
+static NAMED_BUSY: AtomicBool = AtomicBool::new(false);
+
+/// See `NAMED_BUSY`.
+pub(super) fn named_busy() -> bool {
+    NAMED_BUSY.load(Ordering::Relaxed)
 }
 
 /// Lets go of free one-slot arenas beyond the bounds of `LARGE_RETAIN`, oldest first,

@@ -107,3 +107,30 @@ fn open_rejects_a_header_larger_than_its_segment() {
     let err = Arena::open(arena.seg).unwrap_err();
     assert!(err.to_string().contains("does not fit"), "{err}");
 }
+
+#[test]
+fn arenas_in_a_bounded_room_stay_small_and_keep_few_free_ones() {
+    let fd = SharingStrategy::FileDescriptor; // memfds, with a room given: the rule, not the filesystem
+    let room = 16 << 20;
+    let mut alloc = Allocator::new(Some(room));
+    let slots: Vec<Slot> = (0..40).map(|_| allocate_locked(&mut alloc, 256 << 10, fd).unwrap()).collect();
+    // A 64th of the room per pooled arena: one 256 KiB slot each, where growing arenas
+    // would have reached 8 MiB.
+    assert!(slots.iter().all(|s| s.arena.nslots() == 1), "pooled arenas larger than a 64th of the room");
+    drop(slots);
+    assert_eq!(alloc.arenas().count(), 40, "free arenas are kept until the next one is made");
+    let one = allocate_locked(&mut alloc, 1 << 20, fd).unwrap();
+    let free: usize = alloc.arenas().filter(|a| !a.has_handles_here()).map(|a| a.seg.len()).sum();
+    assert!(free <= room / ROOM_FREE, "{free} bytes of free arenas kept, more than a 16th of the room");
+    assert!(free > 0, "some free arenas are kept for reuse");
+    drop(one);
+
+    // Unbounded (memfds): arenas grow, and free ones stay.
+    let mut alloc = Allocator::new(None);
+    let slots: Vec<Slot> = (0..40).map(|_| allocate_locked(&mut alloc, 256 << 10, fd).unwrap()).collect();
+    assert!(slots.iter().any(|s| s.arena.nslots() > 1));
+    let n = alloc.arenas().count();
+    drop(slots);
+    let _one = allocate_locked(&mut alloc, 1 << 20, fd).unwrap();
+    assert_eq!(alloc.arenas().count(), n + 1);
+}

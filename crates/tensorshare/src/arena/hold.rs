@@ -98,16 +98,16 @@ impl Arena {
         let mut st = self.state();
         let i = slot as usize;
         st.local[i] = st.local[i].saturating_sub(1);
-        if st.local[i] == 0 && self.creator && self.is_large() {
-            // A large storage of ours is freed: keep its arena for reuse only within bounds.
-            st.idle_since = Some(std::time::Instant::now());
+        let named = self.seg.name().is_some();
+        if st.local[i] == 0 && self.creator && (self.is_large() || named && super::allocator::named_busy()) {
+            // A large storage of ours, or one in a filesystem of bounded room, is freed here:
+            // keep its arena for reuse only within bounds.
+            if self.is_large() {
+                st.idle_since = Some(std::time::Instant::now());
+            }
             drop(st);
-            let strategy = if self.seg.name().is_some() {
-                SharingStrategy::FileSystem
-            } else {
-                SharingStrategy::FileDescriptor
-            };
-            super::allocator::large_freed(strategy);
+            let strategy = if named { SharingStrategy::FileSystem } else { SharingStrategy::FileDescriptor };
+            super::allocator::freed_here(strategy);
             return;
         }
         if st.local[i] == 0 && !self.creator {

@@ -368,10 +368,20 @@ impl Arena {
         u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1)
     }
 
+    /// Whether this process has a handle of any of its slots.
+    fn has_handles_here(&self) -> bool {
+        self.state().local.iter().any(|&c| c != 0)
+    }
+
     /// Whether any slot is in use: by a handle here, or by a lock of another description.
     fn in_use(&self) -> bool {
         let mut st = self.state();
+        if st.local.iter().any(|&c| c != 0) {
+            return true;
+        }
+        // The send description's locks are ours, not another holder's: retired first, so
+        // that only messages in flight and other holders count.
         st.send = None;
-        st.local.iter().any(|&c| c != 0) || !matches!(range_free(self.seg.fd(), 0, self.nslots), Ok(true))
+        !matches!(range_free(self.seg.fd(), 0, self.nslots), Ok(true))
     }
 }

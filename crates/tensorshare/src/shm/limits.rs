@@ -15,6 +15,17 @@ pub fn shm_dir() -> &'static Path {
     })
 }
 
+/// The size of the filesystem that holds named segments (a container's /dev/shm is 64 MiB
+/// by default), or `None` where it has no size of its own or cannot be asked. Read once: a
+/// process's named segments all live there.
+pub(crate) fn named_room() -> Option<usize> {
+    static ROOM: crate::util::Lazy<Option<usize>> = crate::util::Lazy::new();
+    *ROOM.get_or_make(|| {
+        let vfs = rustix::fs::statvfs(shm_dir()).ok().filter(|v| v.f_blocks > 0)?;
+        Some(usize::try_from(vfs.f_blocks.saturating_mul(vfs.f_frsize)).unwrap_or(usize::MAX))
+    })
+}
+
 /// Bytes that a new reservation can still take: the free space of the filesystem that
 /// holds `fd` (when it has a size limit), bounded by the memory the system and this
 /// process's cgroup have left.

@@ -19,6 +19,7 @@ use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 
+pub(crate) use limits::named_room;
 pub use limits::{available_bytes, shm_dir, SHM_DIR_ENV};
 pub(crate) use named::{is_valid_name, parse_name, unlink as unlink_name, NAME_PREFIX};
 pub use tools::{gc, list, SegmentInfo};

@@ -17,7 +17,8 @@ const FIRST_LIMIT: usize = 128;
 /// Arenas kept mapped after their last storage here is gone, so that a process that keeps
 /// receiving from one arena does not map and unmap it for every message.
 const KEEP_MAPPED: usize = 16;
-/// Large arenas kept mapped that way: none larger, and at most this much in all.
+/// Large arenas kept mapped that way: none larger, and at most this much in all (named ones
+/// are bounded by their filesystem's size too: see `touch`).
 const KEEP_LARGE_EACH: usize = 256 << 20;
 const KEEP_LARGE_TOTAL: usize = 512 << 20;
 
@@ -72,58 +73,54 @@ impl Cache {
     pub(crate) fn insert_arena(&mut self, arena: &Arc<Arena>) {
         self.arenas.insert(arena.segment().file_id(), arena);
         arena.cached.store(true, std::sync::atomic::Ordering::Relaxed);
+        if arena.segment().name().is_some() {
+            // A named arena whose creator has let it go (its name removed) is never handed out
+            // again, and a mapping kept here holds its room in the filesystem for nobody.
+            self.recent.retain(|a| a.segment().name().is_none() || !is_unlinked(a));
+        }
         self.touch(arena);
     }
 
     /// Keeps an arena mapped for a while after its last storage here goes, so that one its
-    /// creator hands out again is not mapped (and faulted in) anew. Large one-slot arenas
-    /// only within bounds: none over `KEEP_LARGE_EACH`, `KEEP_LARGE_TOTAL` in all, so a
-    /// dropped weight tensor's memory returns when its creator lets it go. Named ones
-    /// (file_system) take room in the shared-memory filesystem, which may be small (a
-    /// container's 64 MiB /dev/shm), and whose room a mapping kept here holds even once the
-    /// name is gone (its creator dead): those within a sixteenth of that filesystem each
-    /// and an eighth in all.
+    /// creator hands out again is not mapped (and faulted in) anew. Within bounds:
+    /// - large one-slot arenas none over `KEEP_LARGE_EACH` and `KEEP_LARGE_TOTAL` in all, so
+    ///   a dropped weight tensor's memory returns when its creator lets it go;
+    /// - named ones (file_system), whose room in the shared-memory filesystem a mapping here
+    ///   holds once their creator lets them go (or dies), and which may be small (a
+    ///   container's 64 MiB /dev/shm): where it has a size, none over a 32nd of it and a
+    ///   16th in all (the allocator's arenas are smaller: see `ROOM_ARENA`).
     fn touch(&mut self, arena: &Arc<Arena>) {
         if self.recent.iter().any(|a| Arc::ptr_eq(a, arena)) {
             return;
         }
-        if arena.is_large() {
-            let named = arena.segment().name().is_some();
-            let (each, total) = if named {
-                // A filesystem of no size (unlimited), or one that cannot be asked: kept by
-                // the bounds of memory, as memfds are.
-                let size = rustix::fs::fstatvfs(arena.segment().fd())
-                    .ok()
-                    .filter(|v| v.f_blocks > 0)
-                    .map_or(usize::MAX, |v| {
-                        usize::try_from(v.f_blocks.saturating_mul(v.f_frsize)).unwrap_or(usize::MAX)
-                    });
-                (KEEP_LARGE_EACH.min(size / 16), KEEP_LARGE_TOTAL.min(size / 8))
-            } else {
-                (KEEP_LARGE_EACH, KEEP_LARGE_TOTAL)
+        let named_room = crate::shm::named_room();
+        let is_named = |a: &Arc<Arena>| named_room.is_some() && a.segment().name().is_some();
+        let len = arena.segment().len();
+        if arena.is_large() && arena.slot_size() > KEEP_LARGE_EACH
+            || is_named(arena) && named_room.is_some_and(|room| len > room / 32)
+        {
+            return;
+        }
+        let sum = |recent: &VecDeque<Arc<Arena>>, f: &dyn Fn(&Arc<Arena>) -> bool| {
+            recent.iter().filter(|a| f(a)).map(|a| a.segment().len()).sum::<usize>()
+        };
+        let is_large = |a: &Arc<Arena>| a.is_large();
+        let mut large = sum(&self.recent, &is_large) + if arena.is_large() { len } else { 0 };
+        let mut named = sum(&self.recent, &is_named) + if is_named(arena) { len } else { 0 };
+        let named_total = named_room.map_or(usize::MAX, |room| room / 16);
+        while large > KEEP_LARGE_TOTAL || named > named_total {
+            // The oldest of those over their bound.
+            let over_large = large > KEEP_LARGE_TOTAL;
+            let Some(i) = self.recent.iter().position(|a| if over_large { is_large(a) } else { is_named(a) })
+            else {
+                break;
             };
-            if arena.slot_size() > each {
-                return;
-            }
-            // Within `KEEP_LARGE_TOTAL` in all, and named ones also within their own bound.
-            let is_named = |a: &Arc<Arena>| a.segment().name().is_some();
-            let sum = |f: &dyn Fn(&Arc<Arena>) -> bool| {
-                self.recent.iter().filter(|a| a.is_large() && f(a)).map(|a| a.slot_size()).sum::<usize>()
-            };
-            let mut all = sum(&|_| true) + arena.slot_size();
-            let mut of_named = sum(&is_named) + if named { arena.slot_size() } else { 0 };
-            while all > KEEP_LARGE_TOTAL || of_named > total {
-                // The oldest large one, a named one if those are over their bound.
-                let over_named = of_named > total;
-                let Some(i) = self.recent.iter().position(|a| a.is_large() && (!over_named || is_named(a)))
-                else {
-                    break;
-                };
-                if let Some(a) = self.recent.remove(i) {
-                    all -= a.slot_size();
-                    if is_named(&a) {
-                        of_named -= a.slot_size();
-                    }
+            if let Some(a) = self.recent.remove(i) {
+                if is_large(&a) {
+                    large -= a.segment().len();
+                }
+                if is_named(&a) {
+                    named -= a.segment().len();
                 }
             }
         }
@@ -175,6 +172,11 @@ pub(crate) fn cache() -> MutexGuard<'static, Cache> {
             devices: WeakMap::new(),
         })
     }))
+}
+
+/// Whether a named arena's file has been removed: its creator let it go, or died.
+fn is_unlinked(arena: &Arena) -> bool {
+    rustix::fs::fstat(arena.segment().fd()).is_ok_and(|st| st.st_nlink == 0)
 }
 
 static CACHE: crate::util::Lazy<Mutex<Cache>> = crate::util::Lazy::new();
