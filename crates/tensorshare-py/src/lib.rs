@@ -43,6 +43,10 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::Disconnected => PyEOFError::new_err(text),
         Error::InvalidMessage(_) => InvalidMessage::new_err(text),
         Error::OutOfSharedMemory { .. } | Error::AllocationFailed { .. } => PyMemoryError::new_err(text),
+        // Out of address space (a mapping under `ulimit -v`), or of memory.
+        Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOMEM) => {
+            PyMemoryError::new_err(text)
+        }
         Error::Io { .. } => PyOSError::new_err(text),
         _ => TensorshareError::new_err(text),
     }

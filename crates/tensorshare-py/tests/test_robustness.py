@@ -392,6 +392,44 @@ if __name__ == "__main__":
     assert out.stdout.splitlines() == ["True"], out.stdout + out.stderr
 
 
+def test_a_mapping_beyond_the_address_space_limit_is_a_memory_error():
+    # Under `ulimit -v`, an arena that cannot be mapped is a MemoryError naming the address
+    # space, as any allocation that finds no room is, not an OSError; nothing is left behind,
+    # and sharing works again once the limit allows it.
+    import_torch()
+    out = run_python(
+        """
+        import resource
+        import torch
+        import tensorshare
+        import tensorshare.multiprocessing as mp
+
+        for strategy in ["file_descriptor", "file_system"]:
+            mp.set_sharing_strategy(strategy)
+            tensorshare.empty_shared((1024,), torch.float32)  # the arenas' bookkeeping is made
+            vm = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize:"))) << 10
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), hard))
+            try:
+                tensorshare.empty_shared((64 << 20,), torch.float32)  # 256 MiB
+                print(strategy, "no error")
+            except MemoryError as e:
+                print(strategy, "MemoryError", "ulimit -v" in str(e))
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            t = tensorshare.empty_shared((64 << 20,), torch.float32)
+            print(strategy, "after:", t.numel() == 64 << 20)
+        """
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == [
+        "file_descriptor MemoryError True",
+        "file_descriptor after: True",
+        "file_system MemoryError True",
+        "file_system after: True",
+    ], out.stdout + out.stderr
+
+
 def test_a_receiver_out_of_descriptors_is_told_of_its_descriptor_limit():
     # Each 9 MiB tensor comes in an arena of its own, which the receiver holds through a
     # descriptor of its own: under a limit of 64 descriptors, keeping them all runs out. The

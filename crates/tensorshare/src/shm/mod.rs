@@ -224,7 +224,12 @@ impl Segment {
                 if let Some(name) = &owned_name {
                     named::unlink(name);
                 }
-                return Err(Error::io(format!("mmap of {len} bytes of shared memory"), e));
+                let why = if e == rustix::io::Errno::NOMEM {
+                    " (this process's address space is full: its `ulimit -v`, or vm.max_map_count mappings)"
+                } else {
+                    ""
+                };
+                return Err(Error::io(format!("mmap of {len} bytes of shared memory{why}"), e));
             }
         };
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| {
