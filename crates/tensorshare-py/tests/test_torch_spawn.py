@@ -24,7 +24,7 @@ import time
 import pytest
 
 import tensorshare.multiprocessing as mp
-from conftest import LONG, method_of
+from conftest import LONG, import_torch, method_of, run_python
 
 # ---------------------------------------------------------------- children
 
@@ -514,3 +514,49 @@ def test_spawn_context_is_a_deprecated_process_context():
         pc = mp.SpawnContext([], [])
     assert isinstance(pc, mp.ProcessContext)
     assert pc.join() is True
+
+
+def test_failures_are_torchs_exceptions_too_once_torch_is_imported():
+    # Code that catches torch.multiprocessing's exceptions around this package's spawn
+    # catches them (in a child process: importing torch is what is tested, and this file
+    # does not). Importing this package alone does not import torch, and its exceptions are
+    # then its own; either kind pickles as this package's class.
+    import_torch()
+    out = run_python(
+        """
+        import pickle, sys
+        import tensorshare.multiprocessing as mp
+
+        def fail(i):
+            raise ValueError("deliberate")
+
+        def leave(i):
+            sys.exit(3)
+
+        if __name__ == "__main__":
+            for fn in (fail, leave):
+                try:
+                    mp.spawn(fn, nprocs=1)
+                except mp.ProcessException as e:
+                    print("alone:", type(e).__name__, "torch" in sys.modules, type(e).__mro__[1].__name__)
+            import torch.multiprocessing
+            theirs = sys.modules["torch.multiprocessing.spawn"]
+            for fn, cls in ((fail, torch.multiprocessing.ProcessRaisedException),
+                            (leave, torch.multiprocessing.ProcessExitedException)):
+                try:
+                    mp.spawn(fn, nprocs=1)
+                except cls as e:
+                    back = pickle.loads(pickle.dumps(e))
+                    print("caught as torch's:", type(e).__name__, isinstance(e, mp.ProcessException),
+                          isinstance(e, theirs.ProcessException), e.error_index, e.pid == e.error_pid,
+                          getattr(e, "exit_code", None), type(back).__mro__[1].__name__, str(back) == str(e))
+        """,
+        script_dir=None,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("alone:", "caught"))]
+    assert lines == [
+        "alone: ProcessRaisedException False ProcessException",
+        "alone: ProcessExitedException False ProcessException",
+        "caught as torch's: ProcessRaisedException True True 0 True None ProcessException True",
+        "caught as torch's: ProcessExitedException True True 0 True 3 ProcessException True",
+    ], out.stdout + out.stderr

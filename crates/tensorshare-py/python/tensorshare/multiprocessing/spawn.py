@@ -32,10 +32,13 @@ __all__ = [
 
 
 class ProcessException(Exception):
-    __slots__ = ["error_index", "error_pid"]
+    # No __slots__, unlike torch's: a class raised as both this and torch's (see
+    # `_also_torchs`) can have slots from one base only.
 
     def __init__(self, msg: str, error_index: int, error_pid: int):
-        super().__init__(msg)
+        # Not super(): in a class that is also torch's, the next __init__ is torch's, which
+        # takes other arguments.
+        Exception.__init__(self, msg)
         self.msg = msg
         self.error_index = error_index
         self.error_pid = error_pid
@@ -46,7 +49,7 @@ class ProcessException(Exception):
         return self.error_pid
 
     def __reduce__(self):
-        return type(self), (self.msg, self.error_index, self.error_pid)
+        return _plain(type(self)), (self.msg, self.error_index, self.error_pid)
 
 
 class ProcessRaisedException(ProcessException):
@@ -56,15 +59,41 @@ class ProcessRaisedException(ProcessException):
 class ProcessExitedException(ProcessException):
     """A process exited with a non-zero code or was killed by a signal."""
 
-    __slots__ = ["exit_code"]
-
     def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int, signal_name=None):
-        super().__init__(msg, error_index, error_pid)
+        ProcessException.__init__(self, msg, error_index, error_pid)
         self.exit_code = exit_code
         self.signal_name = signal_name
 
     def __reduce__(self):
-        return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name)
+        args = (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name)
+        return _plain(type(self)), args
+
+
+_ALSO_TORCHS = {}
+
+
+def _also_torchs(cls):
+    """``cls``, or, where torch.multiprocessing has been imported, a subclass of it that is
+    also torch's class of the same name: code that catches ``torch.multiprocessing``'s
+    exceptions around this package's ``spawn`` catches what it raises. Decided when raising,
+    so that importing this package never imports torch."""
+    theirs = getattr(sys.modules.get("torch.multiprocessing.spawn"), cls.__name__, None)
+    if not isinstance(theirs, type) or not issubclass(theirs, BaseException) or issubclass(cls, theirs):
+        return cls
+    both = _ALSO_TORCHS.get(cls)
+    if both is None:
+        both = type(
+            cls.__name__,
+            (cls, theirs),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_tensorshare_class": cls},
+        )
+        _ALSO_TORCHS[cls] = both
+    return both
+
+
+def _plain(cls):
+    """This package's own class of an exception raised as torch's too (pickled by name)."""
+    return cls.__dict__.get("_tensorshare_class", cls)
 
 
 def _set_parent_death_signal(sig):
@@ -155,14 +184,14 @@ class ProcessContext:
                     name = signal.Signals(-exitcode).name
                 except ValueError:  # a signal without a name (a real-time one)
                     name = f"<Unknown signal {-exitcode}>"
-                raise ProcessExitedException(
+                raise _also_torchs(ProcessExitedException)(
                     f"process {error_index} terminated with signal {name}",
                     error_index=error_index,
                     error_pid=failed.pid,
                     exit_code=exitcode,
                     signal_name=name,
                 )
-            raise ProcessExitedException(
+            raise _also_torchs(ProcessExitedException)(
                 f"process {error_index} terminated with exit code {exitcode}",
                 error_index=error_index,
                 error_pid=failed.pid,
@@ -170,7 +199,7 @@ class ProcessContext:
             )
         original_trace = self.error_queues[error_index].get()
         msg = f"\n\n-- Process {error_index} terminated with the following error:\n" + original_trace
-        raise ProcessRaisedException(msg, error_index, failed.pid)
+        raise _also_torchs(ProcessRaisedException)(msg, error_index, failed.pid)
 
 
 class SpawnContext(ProcessContext):
