@@ -178,6 +178,12 @@ pub mod raw {
         Ok((msg.bytes, fds))
     }
 
+    /// Makes this process's reserve of descriptors for receiving now (see README, "loses
+    /// nothing"), which its first receive makes otherwise: for tests that count descriptors.
+    pub fn keep_descriptors_in_reserve() -> crate::Result<()> {
+        crate::shm::fd_reserve::ready()
+    }
+
     /// How many positions of `q`'s lane producers have claimed so far: whether small
     /// messages went through the lane rather than the socket.
     pub fn lane_claimed<T: serde::Serialize + serde::de::DeserializeOwned>(q: &crate::Queue<T>) -> u64 {

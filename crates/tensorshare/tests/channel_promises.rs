@@ -202,6 +202,62 @@ fn a_receive_that_fails_at_the_descriptor_limit_frees_its_place() {
     assert_eq!(ctx.join(None), Ok(true));
 }
 
+/// A receiver that keeps what it receives reaches its descriptor limit: each 5 MiB tensor
+/// comes in an arena of its own, which it holds through a descriptor of its own. The
+/// receive that meets the limit while it finishes a message it took draws on the
+/// descriptors kept in reserve; those after it fail with the limit's error before taking a
+/// message, until the receiver lets go of tensors. Every value arrives, each once.
+#[test]
+fn a_receiver_at_its_descriptor_limit_loses_no_value() {
+    /// What the receiver got, and the errors of the receives it was refused.
+    type Report = (Vec<u32>, Vec<String>);
+    const N: usize = 40;
+    let q: Queue<Tensor> = Queue::with_capacity(4).unwrap();
+    let (report, reports) = tensorshare::pipe::<Report>().unwrap();
+    let mut ctx = spawn(
+        |_rank, (q, report): (Queue<Tensor>, tensorshare::Connection<Report>)| {
+            let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+            let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+            let limit = rustix::process::Rlimit { current: Some(open + 24), maximum: before.maximum };
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).unwrap();
+            let (mut kept, mut got, mut refusals) = (Vec::new(), Vec::new(), Vec::new());
+            while got.len() < N {
+                match q.get_timeout(Duration::from_secs(30)) {
+                    Ok(t) => {
+                        got.push(t.to_vec::<f32>().unwrap()[0] as u32);
+                        kept.push(t);
+                    }
+                    Err(e) => {
+                        // A value lost would leave this waiting for it.
+                        assert!(
+                            !matches!(e, tensorshare::Error::Timeout),
+                            "got {got:?}; refused: {refusals:?}"
+                        );
+                        refusals.push(e.to_string());
+                        assert!(refusals.len() < 100, "refused again and again: {e}");
+                        kept.drain(..kept.len() / 2);
+                    }
+                }
+            }
+            drop(kept);
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, before).unwrap();
+            report.send((got, refusals)).unwrap();
+        },
+        (q.clone(), report),
+        1,
+    )
+    .unwrap();
+    for i in 0..N {
+        q.put(Tensor::full(&[(5 << 20) / 4], i as f32)).unwrap();
+    }
+    let (mut got, refusals) = reports.recv().unwrap();
+    assert_eq!(ctx.join(None), Ok(true));
+    assert!(!refusals.is_empty(), "the limit was never met");
+    assert!(refusals.iter().all(|r| r.contains("RLIMIT_NOFILE")), "{refusals:?}");
+    got.sort_unstable();
+    assert_eq!(got, (0..N as u32).collect::<Vec<_>>(), "refused: {refusals:?}");
+}
+
 /// `len` (Python's `qsize`) counts what every process put and took: the parent puts 3, a
 /// worker takes 1 and puts 2 more, on a bounded and on an unbounded queue; with more small
 /// values than the socket holds, those still on their way out of this process count too.

@@ -57,3 +57,12 @@ pub fn adopt_forked_queues() {
 pub(crate) fn close_idle_lanes() {
     queue_core::close_idle_lanes();
 }
+
+/// At the start of every receive: what the last message borrowed is settled (its
+/// descriptors closed, which makes room for this one's), and the receive is refused, before
+/// it takes a message, when the descriptors kept for finishing one cannot be made whole
+/// (see `shm::fd_reserve`).
+fn ready_to_receive() -> crate::Result<()> {
+    crate::arena::settle();
+    crate::shm::fd_reserve::ready()
+}

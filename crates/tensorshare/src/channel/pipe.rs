@@ -90,6 +90,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     }
 
     fn recv_deadline(&self, deadline: Deadline) -> Result<T> {
+        super::ready_to_receive()?;
         let r = socket::recv(self.fd.as_fd(), deadline, &no_liveness_check)?;
         r.decode_received()
     }

@@ -21,7 +21,7 @@ use serde::de::DeserializeOwned;
 
 use super::awake::watch;
 use super::frame;
-use super::lane::{directory, Claim, Look, Ring, STUCK};
+use super::lane::{directory, taken, Claim, Look, Ring, STUCK};
 use super::outbox::Gate;
 use super::queue_core::Core;
 use super::socket::{self, Deadline, Received, SPIN};
@@ -292,6 +292,7 @@ impl Core {
     /// as long as this queue's patience says, then asleep on the queue's bell, which both
     /// ways of sending ring.
     pub(super) fn get<T: DeserializeOwned>(self: &Arc<Core>, deadline: Deadline) -> Result<T> {
+        super::ready_to_receive()?;
         let awake = self.control.awake();
         let bell = awake.bell;
         let mut waiting = false;
@@ -370,6 +371,7 @@ impl Core {
 
     /// A value if one waits in the lane or the socket now (never waits).
     pub(super) fn try_get<T: DeserializeOwned>(self: &Arc<Core>) -> Result<Option<T>> {
+        super::ready_to_receive()?;
         let mut waiting = false;
         if let Some(v) = self.look(&mut waiting, true)? {
             return v.map(Some);
@@ -388,11 +390,6 @@ impl Core {
             None => Err(Error::Disconnected),
         }
     }
-}
-
-/// Whether the lane's `head` has passed position `last`.
-fn taken(head: u64, last: u64) -> bool {
-    head.wrapping_sub(last) as i64 > 0
 }
 
 #[cfg(test)]

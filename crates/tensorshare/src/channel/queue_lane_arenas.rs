@@ -65,17 +65,23 @@ impl LaneArenas for Taking<'_> {
             e.id == id
                 && (e.cut || e.fd.as_ref().is_some_and(|f| crate::shm::file_id(f.as_fd()).ok() == Some(id)))
         };
-        let found = core
-            .control
-            .with_directory(FETCH_PATIENCE, || directory::find(core.tx.as_fd(), is_it))
-            .map_err(|e| match e {
-                Error::Timeout => Error::InvalidMessage(
-                    "the queue's lane directory stayed locked by another process: the arena a lane \
-                     message names cannot be looked up"
-                        .into(),
-                ),
-                e => e,
-            })??;
+        let find = || {
+            core.control.with_directory(FETCH_PATIENCE, || directory::find(core.tx.as_fd(), is_it)).map_err(
+                |e| match e {
+                    Error::Timeout => Error::InvalidMessage(
+                        "the queue's lane directory stayed locked by another process: the arena a \
+                         lane message names cannot be looked up"
+                            .into(),
+                    ),
+                    e => e,
+                },
+            )?
+        };
+        let mut found = find()?;
+        // Cut: its descriptor found no room here. Again with a kept one given up for it.
+        while found.as_ref().is_some_and(|e| e.cut) && crate::shm::fd_reserve::give_one() {
+            found = find()?;
+        }
         if found.as_ref().is_some_and(|e| e.cut) {
             return Err(Error::InvalidMessage(
                 "the descriptor of an arena the message names could not be received: this process \

@@ -201,6 +201,8 @@ pub(crate) fn try_recv(fd: BorrowedFd<'_>) -> Result<Received> {
 fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<u8>]) -> Result<Received> {
     let mut control = RecvAncillaryBuffer::new(space);
     let cap = bytes.len();
+    // Past the descriptor limit the kernel drops the record's descriptors, and the message.
+    crate::shm::fd_reserve::headroom();
     let mut iov = [IoSliceMut::new(bytes)];
     let r =
         match rustix::net::recvmsg(fd, &mut iov, &mut control, RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC)

@@ -6,6 +6,7 @@
 
 mod fault;
 pub use fault::SIGBUS_HANDLER_ENV;
+pub(crate) mod fd_reserve;
 pub(crate) mod group;
 mod limits;
 mod named;
@@ -297,11 +298,13 @@ impl Segment {
 pub(crate) fn reopen(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
     use std::os::fd::AsRawFd;
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    rustix::fs::open(
-        path.as_str(),
-        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
+    crate::shm::fd_reserve::rescue(|| {
+        rustix::fs::open(
+            path.as_str(),
+            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+    })
     .map_err(|e| match e {
         rustix::io::Errno::MFILE | rustix::io::Errno::NFILE => Error::io(
             "reopening a shared-memory segment: this process has reached its descriptor limit \

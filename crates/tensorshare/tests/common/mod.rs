@@ -56,6 +56,8 @@ impl LeakChecker {
     pub fn new() -> LeakChecker {
         let root = tensorshare::raw::new_group().expect("found a cleanup group");
         tensorshare::trim_arenas();
+        // Kept for the process's life once it receives: not the test's.
+        tensorshare::raw::keep_descriptors_in_reserve().expect("descriptors in reserve");
         LeakChecker { root, fds: open_fds() }
     }
 

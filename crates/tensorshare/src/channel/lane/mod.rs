@@ -101,6 +101,11 @@ thread_local! {
     static SPARE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+/// Whether the lane's `head` has passed position `last`: the message there was taken.
+pub(crate) fn taken(head: u64, last: u64) -> bool {
+    head.wrapping_sub(last) as i64 > 0
+}
+
 /// Gives back the buffer of a message taken from a lane (`Look::Took`) once it is read.
 pub(crate) fn give_back(mut bytes: Vec<u8>) {
     if bytes.capacity() <= CELL_BYTES {
