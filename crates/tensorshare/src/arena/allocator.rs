@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{Arena, Slot, MAX_SLOTS, PAGE};
+use super::{Arena, Slot, SlotUse, MAX_SLOTS, PAGE};
 use crate::util::lock;
 use crate::util::Lazy;
 use crate::{Error, Result, SharingStrategy};
@@ -205,7 +205,7 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     let most = alloc.room.map_or(ARENA_DATA, |room| ARENA_DATA.min(room / ROOM_ARENA));
     let data = FIRST_ARENA_DATA.checked_shl(n.min(16) as u32).unwrap_or(ARENA_DATA).min(most);
     let nslots = (data / slot_size).clamp(1, MAX_SLOTS);
-    keep_within_room(alloc, slot_size.saturating_mul(nslots));
+    keep_within_room(alloc, slot_size.saturating_mul(nslots), true);
     let arena = super::listed(create_making_room(alloc, slot_size, nslots, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
@@ -215,16 +215,20 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     Ok(Slot { arena, slot: 0 })
 }
 
-/// Before this allocator makes an arena of `coming` bytes, and when one of its named
-/// arenas loses its last handle here: where its room is bounded and its arenas would take
-/// more than `room / ROOM_BUSY`, lets go of arenas with no handle here beyond
-/// `room / ROOM_FREE` bytes of them. Other processes may still hold some of those (messages
-/// in flight, storages received): letting go here takes nothing from them, whose
-/// descriptors keep the memory, and its room goes back to the filesystem when the last of
-/// them lets go, as a file per storage does. Asking the kernel which are free elsewhere
-/// would not do: one held elsewhere now is free a moment later, while this process may
-/// not allocate again for long.
-fn keep_within_room(alloc: &mut Allocator, coming: usize) {
+/// Before this allocator makes an arena of `coming` bytes (`ask`: the kernel may be asked
+/// which arenas other processes hold), and when one of its named arenas loses its last
+/// handle here: where its room is bounded and its arenas would take more than
+/// `room / ROOM_BUSY`, lets go of
+/// - one-slot arenas with no handle here that it has sent since it last saw them free:
+///   other processes may still hold them, and their room goes back to the filesystem when
+///   the last of them lets go, as a file per storage does. (Kept for reuse, they would hold
+///   that room while this process, which may not allocate again for long, cannot tell they
+///   are free.)
+/// - arenas free everywhere beyond `room / ROOM_FREE` bytes of them.
+///
+/// An arena of several slots with one held elsewhere is kept: its free slots serve the
+/// next allocations.
+fn keep_within_room(alloc: &mut Allocator, coming: usize, ask: bool) {
     let Some(room) = alloc.room else { return };
     let total = alloc.arenas().map(|a| a.seg.len()).fold(coming, usize::saturating_add);
     let busy = total > room / ROOM_BUSY;
@@ -234,7 +238,13 @@ fn keep_within_room(alloc: &mut Allocator, coming: usize) {
     }
     let mut free = 0usize;
     let mut keep = |a: &Arc<Arena>| {
-        if a.has_handles_here() {
+        let free_everywhere = match a.use_of_slots() {
+            SlotUse::Here => return true,
+            SlotUse::Sent if a.nslots == 1 => return false,
+            SlotUse::Sent => ask && !a.in_use(),
+            SlotUse::Free => true,
+        };
+        if !free_everywhere {
             return true;
         }
         free = free.saturating_add(a.seg.len());
@@ -288,7 +298,7 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
         }
     }
     retire_large(alloc, Some(want));
-    keep_within_room(alloc, want);
+    keep_within_room(alloc, want, true);
     let arena = super::listed(create_making_room(alloc, want, 1, strategy)?);
     let claimed = arena.try_claim(0).is_ok();
     debug_assert!(claimed);
@@ -298,13 +308,13 @@ fn allocate_large(alloc: &mut Allocator, len: usize, strategy: SharingStrategy) 
 
 /// A large arena of this process, or a slot of a named one, lost its last handle here:
 /// applies the bounds now (`LARGE_RETAIN`, `ROOM_FREE`), unless the allocator is busy (this
-/// very thread may be allocating), when the next allocation applies them.
+/// very thread may be allocating), when the next arena made or slot freed here applies them.
 pub(super) fn freed_here(strategy: SharingStrategy) {
     if let Ok(mut alloc) = allocator(strategy).try_lock() {
         // Inherited arenas' states may be locked for good in a forked child.
         alloc.drop_inherited();
         retire_large(&mut alloc, None);
-        keep_within_room(&mut alloc, 0);
+        keep_within_room(&mut alloc, 0, false);
     }
 }
 

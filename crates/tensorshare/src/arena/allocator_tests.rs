@@ -120,7 +120,8 @@ fn arenas_in_a_bounded_room_stay_small_and_keep_few_free_ones() {
     drop(slots);
     assert_eq!(alloc.arenas().count(), 40, "free arenas are kept until the next one is made");
     let one = allocate_locked(&mut alloc, 1 << 20, fd).unwrap();
-    let free: usize = alloc.arenas().filter(|a| !a.has_handles_here()).map(|a| a.seg.len()).sum();
+    let free: usize =
+        alloc.arenas().filter(|a| matches!(a.use_of_slots(), SlotUse::Free)).map(|a| a.seg.len()).sum();
     assert!(free <= room / ROOM_FREE, "{free} bytes of free arenas kept, more than a 16th of the room");
     assert!(free > 0, "some free arenas are kept for reuse");
     drop(one);
@@ -133,4 +134,28 @@ fn arenas_in_a_bounded_room_stay_small_and_keep_few_free_ones() {
     drop(slots);
     let _one = allocate_locked(&mut alloc, 1 << 20, fd).unwrap();
     assert_eq!(alloc.arenas().count(), n + 1);
+}
+
+#[test]
+fn in_a_bounded_room_an_arena_partly_held_elsewhere_is_kept_and_a_sent_one_slot_arena_goes() {
+    let fd = SharingStrategy::FileDescriptor;
+    let room = 16 << 20;
+    let mut alloc = Allocator::new(Some(room));
+    // A pooled arena of 4 KiB slots, one of them in a message in flight.
+    let small: Vec<Slot> = (0..8).map(|_| allocate_locked(&mut alloc, 4096, fd).unwrap()).collect();
+    let pooled = small[0].arena.clone();
+    assert!(pooled.nslots() > 1);
+    let message = pooled.send_hold(&[small[0].slot]).unwrap().0;
+    // A one-slot arena (a 256 KiB class at a 64th of the room), sent the same way.
+    let one = allocate_locked(&mut alloc, 256 << 10, fd).unwrap();
+    let single = one.arena.clone();
+    assert_eq!(single.nslots(), 1);
+    let single_message = single.send_hold(&[0]).unwrap().0;
+    drop((small, one));
+    // Past an eighth of the room: the next arena made applies the bounds.
+    let _big = allocate_locked(&mut alloc, 3 << 20, fd).unwrap();
+    let kept = |a: &Arc<Arena>| alloc.arenas().any(|b| Arc::ptr_eq(a, b));
+    assert!(kept(&pooled), "an arena with a slot held elsewhere was let go, its free slots with it");
+    assert!(!kept(&single), "a sent one-slot arena was kept, holding room this process cannot tell free");
+    drop((message, single_message));
 }

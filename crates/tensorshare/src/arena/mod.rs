@@ -131,6 +131,17 @@ struct SendHold {
     tag: u64,
 }
 
+/// Who may use an arena's slots, as its creator knows without asking the kernel.
+enum SlotUse {
+    /// This process has a handle of one.
+    Here,
+    /// None here; some were sent (or a child forked) since they were last seen free, and
+    /// other processes may hold them.
+    Sent,
+    /// None anywhere.
+    Free,
+}
+
 impl std::fmt::Debug for Arena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Arena")
@@ -368,9 +379,16 @@ impl Arena {
         u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1)
     }
 
-    /// Whether this process has a handle of any of its slots.
-    fn has_handles_here(&self) -> bool {
-        self.state().local.iter().any(|&c| c != 0)
+    /// The creator's view of its slots' use, without asking the kernel.
+    fn use_of_slots(&self) -> SlotUse {
+        let st = self.state();
+        if st.local.iter().any(|&c| c != 0) {
+            SlotUse::Here
+        } else if self.forked.load(std::sync::atomic::Ordering::Acquire) || st.exposed.iter().any(|&e| e) {
+            SlotUse::Sent
+        } else {
+            SlotUse::Free
+        }
     }
 
     /// Whether any slot is in use: by a handle here, or by a lock of another description.
