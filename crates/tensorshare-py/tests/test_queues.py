@@ -270,6 +270,55 @@ def test_arrays_alias_across_the_wire(dtype):
     assert c.__array_interface__["data"][0] == view.__array_interface__["data"][0]
 
 
+@pytest.mark.parametrize("dtype", [object, [("name", object), ("n", "i4")]])
+def test_shared_arrays_of_python_objects_are_refused(dtype):
+    # Their elements are pointers into this process's heap: another process (or a forked
+    # child's write read back here) would follow them into nowhere. numpy itself makes
+    # such an array over any buffer, so the refusal is the constructor's.
+    with pytest.raises(TypeError, match="cannot hold Python objects"):
+        tensorshare.empty_shared_array(4, dtype)
+
+
+def test_shared_constructors_refuse_negative_sizes_as_torch_and_numpy_do():
+    with pytest.raises(ValueError, match="negative dimensions are not allowed"):
+        tensorshare.empty_shared_array((-2, -2), "float32")
+    with pytest.raises(ValueError, match="negative dimensions are not allowed"):
+        tensorshare.empty_shared_array((3, -1), "int8")
+    torch = import_torch()
+    # A dtype the wire carries (made in Rust) and one it does not (complex: made here).
+    for dtype in (torch.float32, torch.complex64):
+        for shape in ((-2, 0), (-2, -3), (3, -1)):
+            with pytest.raises(RuntimeError, match="negative dimension"):
+                tensorshare.empty_shared(shape, dtype)
+
+
+def test_a_receiver_without_torch_is_told_that_torch_is_what_it_lacks():
+    # A storage (or a tensor of a dtype numpy lacks) needs torch where it arrives; a
+    # process without it says so, not that the message lacks what it carries.
+    torch = import_torch()
+    import subprocess
+    import sys
+
+    import tensorshare.multiprocessing as mp
+
+    child_code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as where torch is not installed\n"
+        "import tensorshare\n"
+        "q = tensorshare.inherited()\n"
+        "try:\n"
+        "    print('got', q.get(timeout=60))\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    q = mp.Queue()
+    child = tensorshare.popen([sys.executable, "-c", child_code], q, stdout=subprocess.PIPE, text=True)
+    q.put(torch.arange(2.0).untyped_storage())
+    out, _ = child.communicate(timeout=LONG)
+    assert child.returncode == 0, out
+    assert out.startswith("UnpicklingError") and "torch is not imported in this process" in out, out
+
+
 def test_a_fortran_order_array_arrives_in_fortran_order_as_pickle_keeps_it():
     a = np.asfortranarray(np.arange(24.0).reshape(2, 3, 4))
     b = tensorshare.roundtrip(a)

@@ -54,6 +54,12 @@ __all__ = [
 ]
 
 
+def _refuse_negative(shape):
+    """torch's error for a negative size, where ``shape`` has one."""
+    if any(n < 0 for n in shape):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
+
+
 def empty_shared(shape, dtype=None):
     """An uninitialised torch tensor of ``shape`` in shared memory (default dtype: torch's)."""
     # The common case first, with nothing imported on its way: a tensor sender makes one
@@ -64,9 +70,14 @@ def empty_shared(shape, dtype=None):
         dtype = torch.get_default_dtype()
     if type(shape) is not tuple:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    t = _native.empty_shared_tensor(shape, dtype)
+    try:
+        t = _native.empty_shared_tensor(shape, dtype)
+    except OverflowError:
+        _refuse_negative(shape)
+        raise
     if t is not None:
         return t
+    _refuse_negative(shape)
     import torch
 
     from ._reduction import torch_storage
@@ -81,11 +92,19 @@ def empty_shared(shape, dtype=None):
 
 
 def empty_shared_array(shape, dtype="float32"):
-    """An uninitialised numpy array of ``shape`` in shared memory."""
+    """An uninitialised numpy array of ``shape`` in shared memory, of a dtype of plain
+    data: not one holding Python objects, whose pointers mean nothing in another process."""
     import numpy as np
 
     dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(
+            f"shared memory cannot hold Python objects (dtype {dt}): their pointers mean nothing "
+            "in another process; use a dtype of plain data"
+        )
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    if any(n < 0 for n in shape):
+        raise ValueError("negative dimensions are not allowed")
     numel = 1
     for n in shape:
         numel *= n

@@ -827,6 +827,11 @@ class _Unpickler(pickle.Unpickler):
                 return _torch().TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
             return self._inner[pid]
         except (IndexError, TypeError, AttributeError):
+            if isinstance(pid, tuple) and pid[:1] == ("storage",) and _torch() is None:
+                raise pickle.UnpicklingError(
+                    "the value holds torch storages (a tensor of a dtype numpy lacks, or a storage), "
+                    "and torch is not imported in this process: install or import torch to receive it"
+                ) from None
             raise pickle.UnpicklingError(f"a pickle named object {pid!r}, which its message lacks") from None
 
     def _storage(self, index):
