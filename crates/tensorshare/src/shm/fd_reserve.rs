@@ -20,8 +20,8 @@
 //! first receive to meet the limit if something else took the last descriptors since the
 //! last message (the kernel drops a record's descriptors that find no room).
 
-use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::os::fd::{AsFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rustix::io::Errno;
 
@@ -30,8 +30,16 @@ use crate::{Error, Result};
 /// Descriptors kept.
 const RESERVE: usize = 4;
 
-/// The kept descriptors, -1 where one was given up (or not made yet).
-static KEPT: [AtomicI32; RESERVE] = [const { AtomicI32::new(-1) }; RESERVE];
+/// The kept descriptors, each with the low half of its file's inode number (`kept`), or
+/// `EMPTY` where one was given up (or not made yet).
+static KEPT: [AtomicU64; RESERVE] = [const { AtomicU64::new(EMPTY) }; RESERVE];
+const EMPTY: u64 = u64::MAX;
+
+fn kept(fd: OwnedFd) -> rustix::io::Result<u64> {
+    let ino = rustix::fs::fstat(fd.as_fd())?.st_ino as u32;
+    let fd = fd.into_raw_fd() as u32;
+    Ok(u64::from(fd) << 32 | u64::from(ino))
+}
 /// Whether the limit has refused a descriptor since the reserve was last made whole with
 /// room to spare (see [`ready`]).
 static MET: AtomicBool = AtomicBool::new(false);
@@ -52,19 +60,20 @@ fn make() -> rustix::io::Result<OwnedFd> {
 }
 
 fn is_whole() -> bool {
-    KEPT.iter().all(|k| k.load(Ordering::Acquire) >= 0)
+    KEPT.iter().all(|k| k.load(Ordering::Acquire) != EMPTY)
 }
 
 /// Fills the empty slots.
 fn refill() -> rustix::io::Result<()> {
     for k in &KEPT {
-        if k.load(Ordering::Acquire) >= 0 {
+        if k.load(Ordering::Acquire) != EMPTY {
             continue;
         }
-        let fd = make()?.into_raw_fd();
-        if k.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            // SAFETY: `fd` was just made here and is in no slot: this is its only owner.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        let entry = kept(make()?)?;
+        if k.compare_exchange(EMPTY, entry, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            // SAFETY: the descriptor was just made here and is in no slot: this is its only
+            // owner.
+            drop(unsafe { OwnedFd::from_raw_fd((entry >> 32) as i32) });
         }
     }
     Ok(())
@@ -73,13 +82,27 @@ fn refill() -> rustix::io::Result<()> {
 /// Closes one kept descriptor; false when none is left.
 fn give_up_one() -> bool {
     for k in &KEPT {
-        let fd = k.swap(-1, Ordering::AcqRel);
-        if fd >= 0 {
-            // SAFETY: the slot held `fd`, which `refill` made and put there as its only
-            // owner; the swap took it out, so no other thread can take it too.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
-            return true;
+        let entry = k.swap(EMPTY, Ordering::AcqRel);
+        if entry == EMPTY {
+            continue;
         }
+        let (fd, ino) = ((entry >> 32) as i32, entry as u32);
+        // Code that closes every descriptor (a daemon's, a forked child's before it runs
+        // other code) may have closed this one, and its number may name another file now:
+        // closed only if it is still the memfd made for it.
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: `fstat` writes one `struct stat` into `st`, which lives across the call; on
+        // a number that is not open it fails with EBADF and writes nothing.
+        let found = unsafe { libc::fstat(fd, st.as_mut_ptr()) } == 0;
+        // SAFETY: `fstat` returned 0, so it filled `st` in.
+        let ours = found && unsafe { st.assume_init() }.st_ino as u32 == ino;
+        if ours {
+            // SAFETY: the slot held `fd`, which `refill` made and put there as its only
+            // owner, and it is still that file; the swap took it out, so no other thread
+            // can take it too.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+        return true;
     }
     false
 }
@@ -147,8 +170,12 @@ pub(crate) fn headroom() {
 mod tests {
     use super::*;
 
+    /// The tests here give up and close kept descriptors: one at a time.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn a_call_the_limit_refuses_runs_again_on_a_kept_descriptor_and_other_errors_pass() {
+        let _one = crate::util::lock(&ONE_AT_A_TIME);
         ready().unwrap();
         let mut calls = 0;
         let r = rescue(|| {
@@ -176,6 +203,30 @@ mod tests {
         });
         assert_eq!(r, Err(Errno::MFILE), "a refusal comes through once nothing is left to give");
         assert!(calls > RESERVE, "every kept descriptor was tried: {calls} calls");
+        ready().unwrap();
+    }
+
+    #[test]
+    fn a_kept_descriptor_closed_behind_its_back_is_forgotten_not_closed_again() {
+        let _one = crate::util::lock(&ONE_AT_A_TIME);
+        ready().unwrap();
+        // Code that closes every descriptor closes the kept ones; their numbers go to new
+        // files, which giving up the reserve must leave open.
+        let mut others = Vec::new();
+        for k in &KEPT {
+            let entry = k.load(Ordering::Acquire);
+            if entry != EMPTY {
+                // SAFETY: test-only: closes a kept descriptor as a closerange would, leaving
+                // its entry behind; nothing else here uses that number until it is reused.
+                unsafe { libc::close((entry >> 32) as i32) };
+                others.push(make().unwrap());
+            }
+        }
+        let r: rustix::io::Result<()> = rescue(|| Err(Errno::MFILE));
+        assert_eq!(r, Err(Errno::MFILE));
+        for fd in &others {
+            assert!(rustix::fs::fstat(fd.as_fd()).is_ok(), "another file's descriptor was closed");
+        }
         ready().unwrap();
     }
 }
