@@ -319,6 +319,20 @@ def test_a_receiver_without_torch_is_told_that_torch_is_what_it_lacks():
     assert out.startswith("UnpicklingError") and "torch is not imported in this process" in out, out
 
 
+def test_a_read_only_view_of_a_shared_array_arrives_read_only_and_aliased():
+    # The receiver's view must not write where the sender made its view read-only; a
+    # writable view stays writable, and both alias the block.
+    shared = tensorshare.empty_shared_array(4, "float32")
+    shared[:] = 1
+    ro = shared.view()
+    ro.flags.writeable = False
+    for sent, writeable in ((ro, False), (shared[1:], True)):
+        got = tensorshare.roundtrip(sent)
+        assert got.flags.writeable is writeable
+        assert got.__array_interface__["data"][0] == sent.__array_interface__["data"][0]
+        np.testing.assert_array_equal(got, sent)
+
+
 def test_a_fortran_order_array_arrives_in_fortran_order_as_pickle_keeps_it():
     a = np.asfortranarray(np.arange(24.0).reshape(2, 3, 4))
     b = tensorshare.roundtrip(a)

@@ -489,11 +489,14 @@ def _travels_as_handle(a):
     """Whether numpy array ``a`` travels as a handle: a dtype of the wire in this machine's
     byte order, and, over a block, a geometry a handle can say. A view of a block that a
     handle cannot say (a negative stride, another byte order or dtype) travels as a view of
-    its block instead (``_array_view_reduction``); an array in no block is copied into one."""
+    its block instead (``_array_view_reduction``), as does a read-only view, which arrives
+    read-only; an array in no block is copied into one."""
     if a.dtype.name not in _NUMPY_NAMES or not a.dtype.isnative:
         return False
     block = _block_under(a)
-    return block is None or not a.size or _handle_geometry(a, block) is not None
+    if block is None:
+        return True
+    return a.flags.writeable and (not a.size or _handle_geometry(a, block) is not None)
 
 
 def _copy_into_block(a):
@@ -550,6 +553,8 @@ def array_parts(obj):
     if not obj.dtype.isnative:
         return None
     block = _block_under(obj)
+    if block is not None and not obj.flags.writeable:
+        return None  # a read-only view of a block arrives read-only (`_array_view_reduction`)
     geometry = _handle_geometry(obj, block) if block is not None and obj.size else None
     if geometry is not None:
         offset, strides = geometry
