@@ -38,6 +38,10 @@ fn helpers(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
 /// `obj` as a value; a value nested too deeply, or holding an object twice or an object to
 /// pickle beside what it might share (see [`Refused::Whole`]), is pickled whole.
 pub(crate) fn to_value(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    crate::torch::keeping_moved_memory(|| value_whole(py, obj))
+}
+
+fn value_whole(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
     let mut seen = Seen::default();
     let mut v = match value_of(py, obj, 0, &mut seen) {
         Ok(v) => v,

@@ -922,7 +922,45 @@ fn move_sized<'py>(
         recording.commit(py, &block);
     }
     MOVES.fetch_add(1, Ordering::Relaxed);
+    MOVED_AWAY.with(|k| {
+        if let Some(kept) = k.borrow_mut().as_mut() {
+            kept.push(fresh.unbind());
+        }
+    });
     Ok(Moved::Into(block))
+}
+
+thread_local! {
+    /// While a value is being turned into a message (`keeping_moved_memory`), the old memory
+    /// of the storages moved into blocks on the way: a numpy array of one of them in the
+    /// same value (`q.put([t, t.numpy()])`, `t` not shared yet) views that memory, and is
+    /// copied from it after the move. Kept until the value is turned; the array the program
+    /// keeps views freed memory after that, as after torch's own `share_memory_()`.
+    static MOVED_AWAY: std::cell::RefCell<Option<Vec<Py<PyAny>>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, which turns a value into a message, keeping the old memory of the storages it
+/// moves until it is done (see `MOVED_AWAY`).
+pub(crate) fn keeping_moved_memory<R>(f: impl FnOnce() -> R) -> R {
+    struct Done(bool);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            if self.0 {
+                // Dropped with the GIL held (the caller holds it to turn a value).
+                drop(MOVED_AWAY.with(|k| k.borrow_mut().take()));
+            }
+        }
+    }
+    let outermost = MOVED_AWAY.with(|k| {
+        let mut k = k.borrow_mut();
+        let outermost = k.is_none();
+        if outermost {
+            *k = Some(Vec::new());
+        }
+        outermost
+    });
+    let _done = Done(outermost);
+    f()
 }
 
 /// The storages that threads of this process are moving with torch's copy (which lets the

@@ -333,6 +333,19 @@ def test_a_read_only_view_of_a_shared_array_arrives_read_only_and_aliased():
         np.testing.assert_array_equal(got, sent)
 
 
+@pytest.mark.parametrize("n", [1000, 4_000_000])
+def test_an_array_of_a_tensor_moved_by_the_same_put_is_sent_from_its_old_memory(n):
+    # The put moves t into shared memory before it reaches t.numpy(), which views t's old
+    # memory: that memory is kept until the value is sent, so the array's copy is right
+    # (torch's queue copies it from freed memory: garbage, or SIGSEGV for a large one). The
+    # sender's array views freed memory afterwards, as after torch's share_memory_().
+    torch = import_torch()
+    t = torch.full((n,), 3.0)
+    got_t, got_a = tensorshare.roundtrip([t, t.numpy()])
+    assert bool((got_t == 3).all()) and bool((got_a == 3).all())
+    assert t.is_shared()
+
+
 def test_a_fortran_order_array_arrives_in_fortran_order_as_pickle_keeps_it():
     a = np.asfortranarray(np.arange(24.0).reshape(2, 3, 4))
     b = tensorshare.roundtrip(a)
