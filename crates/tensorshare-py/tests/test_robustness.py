@@ -478,6 +478,94 @@ def test_a_receiver_out_of_descriptors_is_told_of_its_descriptor_limit_and_loses
     assert "got: True 80" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_message_lost_at_the_descriptor_limit_says_so():
+    # Each message brings 6 arenas new to the receiver: 12 descriptors at once, more than the
+    # reserve kept for finishing a message. Some are lost at the limit; every value either
+    # arrives or an error says that its message is lost (or its descriptors were cut off),
+    # and refusals say that no message was taken.
+    import_torch()
+    out = run_python(
+        """
+        import resource
+        import torch
+        import tensorshare.multiprocessing as mp
+
+        def produce(q, n):
+            torch.set_num_threads(1)
+            for i in range(n):
+                q.put([torch.full(((9 << 20) // 8,), float(i), dtype=torch.float64) for _ in range(6)])
+            q.put(None)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("fork")
+            q = ctx.Queue(maxsize=2)
+            p = ctx.Process(target=produce, args=(q, 30))
+            p.start()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+            kept, got, lost, refused, other = [], 0, 0, 0, []
+            while True:
+                try:
+                    m = q.get(timeout=60)
+                except OSError as e:
+                    if "none was taken" in str(e):
+                        refused += 1
+                    elif "is lost" in str(e) or "cut off" in str(e):
+                        lost += 1
+                    else:
+                        other.append(str(e))
+                    del kept[: max(1, len(kept) // 2)]
+                    continue
+                if m is None:
+                    break
+                kept.append(m)
+                got += 1
+            p.join()
+            print("accounted:", got + lost == 30, "other errors:", other)
+        """,
+        timeout=LONG * 2,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "accounted: True other errors: []" in out.stdout, out.stdout + out.stderr
+
+
+def test_receives_go_on_where_memfds_cannot_be_made():
+    # A seccomp filter (as some sandboxes have) refuses memfd_create: no descriptors can be
+    # kept in reserve, and receives go on without, as they did before there was one.
+    if os.uname().machine != "x86_64":
+        pytest.skip("the filter names x86_64's system call number")
+    out = run_python(
+        """
+        import ctypes, os, struct
+        import tensorshare.multiprocessing as mp
+
+        def deny_memfd_create():
+            libc = ctypes.CDLL(None, use_errno=True)
+            # Load the system call number; memfd_create (319): EPERM; anything else: allow.
+            code = [(0x20, 0, 0, 0), (0x15, 0, 1, 319), (0x06, 0, 0, 0x00050001), (0x06, 0, 0, 0x7FFF0000)]
+            insns = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *c) for c in code))
+            prog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(code), ctypes.addressof(insns)))
+            assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+            args = [ctypes.c_ulong(a) for a in (2, ctypes.addressof(prog), 0, 0)]
+            assert libc.prctl(22, *args) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            q = mp.get_context("fork").Queue()
+            for i in range(3):
+                q.put(i)
+            deny_memfd_create()
+            try:
+                os.memfd_create("probe")
+                print("memfd_create still allowed")
+            except PermissionError:
+                pass
+            print([q.get(timeout=30) for _ in range(3)])
+        """
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["[0, 1, 2]"], out.stdout + out.stderr
+
+
 def test_torch_storage_methods_swapped_in_its_c_type_are_refused_not_followed():
     # A program can rewrite the dict of torch's C type itself (through gc.get_referents of
     # its mappingproxy): here StorageBase.data_ptr becomes nbytes, so a copy that trusted

@@ -219,6 +219,7 @@ fn try_recv_into(fd: BorrowedFd<'_>, bytes: &mut [u8], space: &mut [MaybeUninit<
         }
     }
     if r.flags.contains(ReturnFlags::CTRUNC) {
+        crate::shm::fd_reserve::met();
         return Ok(Received::Bad(Error::InvalidMessage(format!(
             "the message's descriptors were cut off ({} arrived): this process has reached its \
              descriptor limit (RLIMIT_NOFILE); raise it or hold fewer shared segments",

@@ -15,10 +15,12 @@
 //!   (and drops, past the limit), gives up every kept descriptor, once the limit has been
 //!   met, so that they have room.
 //!
-//! The descriptors kept are `RESERVE` memfds of no size, close-on-exec. A message that
+//! The descriptors kept are `RESERVE` memfds of no size, close-on-exec (where memfds cannot
+//! be made for another reason, none are kept and receives go on without). A message that
 //! needs more new descriptors than that at the limit still fails halfway, and so can the
 //! first receive to meet the limit if something else took the last descriptors since the
-//! last message (the kernel drops a record's descriptors that find no room).
+//! last message (the kernel drops a record's descriptors that find no room): the error then
+//! says that the message is lost.
 
 use std::os::fd::{AsFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,19 +29,30 @@ use rustix::io::Errno;
 
 use crate::{Error, Result};
 
-/// Descriptors kept.
-const RESERVE: usize = 4;
+/// Descriptors kept: enough for a message that brings up to 4 arenas new to the receiver
+/// (each a descriptor in the record, and this process's own description of it).
+const RESERVE: usize = 8;
 
 /// The kept descriptors, each with the low half of its file's inode number (`kept`), or
 /// `EMPTY` where one was given up (or not made yet).
 static KEPT: [AtomicU64; RESERVE] = [const { AtomicU64::new(EMPTY) }; RESERVE];
 const EMPTY: u64 = u64::MAX;
 
+/// The device of the kernel's memfd mount, which every kept descriptor's file is on (0
+/// until the first is made). With it, the 32-bit inode number the kernel gives such a file
+/// names it alone among the files open.
+static MEMFD_DEV: AtomicU64 = AtomicU64::new(0);
+
 fn kept(fd: OwnedFd) -> rustix::io::Result<u64> {
-    let ino = rustix::fs::fstat(fd.as_fd())?.st_ino as u32;
+    let st = rustix::fs::fstat(fd.as_fd())?;
+    MEMFD_DEV.store(st.st_dev, Ordering::Relaxed);
     let fd = fd.into_raw_fd() as u32;
-    Ok(u64::from(fd) << 32 | u64::from(ino))
+    Ok(u64::from(fd) << 32 | u64::from(st.st_ino as u32))
 }
+/// Whether a reserve cannot be kept here at all (memfd_create refused for a reason other
+/// than the descriptor limit: a seccomp filter, an old kernel): receives then go on as
+/// they would without one.
+static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
 /// Whether the limit has refused a descriptor since the reserve was last made whole with
 /// room to spare (see [`ready`]).
 static MET: AtomicBool = AtomicBool::new(false);
@@ -94,8 +107,11 @@ fn give_up_one() -> bool {
         // SAFETY: `fstat` writes one `struct stat` into `st`, which lives across the call; on
         // a number that is not open it fails with EBADF and writes nothing.
         let found = unsafe { libc::fstat(fd, st.as_mut_ptr()) } == 0;
-        // SAFETY: `fstat` returned 0, so it filled `st` in.
-        let ours = found && unsafe { st.assume_init() }.st_ino as u32 == ino;
+        let ours = found && {
+            // SAFETY: `fstat` returned 0, so it filled `st` in.
+            let st = unsafe { st.assume_init() };
+            st.st_dev == MEMFD_DEV.load(Ordering::Relaxed) && st.st_ino as u32 == ino
+        };
         if ours {
             // SAFETY: the slot held `fd`, which `refill` made and put there as its only
             // owner, and it is still that file; the swap took it out, so no other thread
@@ -110,7 +126,7 @@ fn give_up_one() -> bool {
 /// At the start of a receive, before it takes a message: the reserve made, or made whole
 /// again; an error naming the descriptor limit when it cannot be.
 pub(crate) fn ready() -> Result<()> {
-    if is_whole() {
+    if is_whole() || UNAVAILABLE.load(Ordering::Relaxed) {
         return Ok(());
     }
     match refill() {
@@ -122,10 +138,19 @@ pub(crate) fn ready() -> Result<()> {
         }
         Err(e @ (Errno::MFILE | Errno::NFILE)) => {
             MET.store(true, Ordering::Release);
-            Err(limit_error("receiving a message, which may need new descriptors", e))
+            Err(limit_error("receiving a message, which may need new descriptors (none was taken)", e))
         }
-        Err(e) => Err(Error::io("keeping descriptors in reserve for receiving", e)),
+        Err(_) => {
+            UNAVAILABLE.store(true, Ordering::Relaxed);
+            Ok(())
+        }
     }
+}
+
+/// The kernel cut a received record's descriptors off at the limit: the next receives give
+/// the reserve up first (see [`headroom`]).
+pub(crate) fn met() {
+    MET.store(true, Ordering::Release);
 }
 
 /// Whether `RESERVE` more descriptors than those kept can be made now.

@@ -75,7 +75,8 @@ fn decode_from<T: DeserializeOwned>(
 ) -> Result<T> {
     // What earlier messages borrowed is settled before this one borrows.
     crate::arena::settle();
-    let (body, storages, fds) = Lists::with(|lists| resolve_message(message, fds, borrow, lane, lists))?;
+    let (body, storages, fds) =
+        Lists::with(|lists| resolve_message(message, fds, borrow, lane, lists)).map_err(lost_at_the_limit)?;
     DECODING.with(|c| *c.borrow_mut() = Some(DecodeCtx { storages, fds }));
     struct Reset;
     impl Drop for Reset {
@@ -86,6 +87,20 @@ fn decode_from<T: DeserializeOwned>(
     let _reset = Reset;
     super::forget_reason();
     postcard::from_bytes::<T>(&message[body..]).map_err(|e| Error::invalid(super::reason(e)))
+}
+
+/// A failure to finish a message taken already, for want of descriptors (more than the
+/// reserve kept for it: see `shm::fd_reserve`), says that the message is lost, unlike a
+/// receive refused before it took one.
+fn lost_at_the_limit(e: Error) -> Error {
+    match e {
+        Error::Io { context, source }
+            if matches!(source.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
+        {
+            Error::Io { context: format!("{context}; the message that needed it is lost"), source }
+        }
+        e => e,
+    }
 }
 
 /// The arena a received descriptor refers to: this process's own mapping of it if it has
