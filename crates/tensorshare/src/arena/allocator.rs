@@ -1,10 +1,9 @@
 //! This process's arenas and how their slots are handed out: size classes of growing
 //! arenas, one-slot arenas for large storages kept for reuse within bounds, and trimming.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{Arena, Slot, SlotUse, MAX_SLOTS, PAGE};
+use super::{Arena, Slot, MAX_SLOTS, PAGE};
 use crate::util::lock;
 use crate::util::Lazy;
 use crate::{Error, Result, SharingStrategy};
@@ -31,17 +30,6 @@ const LARGE_RETAIN: usize = 256 << 20;
 const LARGE_RETAIN_TOTAL: usize = 1 << 30;
 const LARGE_RETAIN_COUNT: usize = 8;
 const LARGE_IDLE: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Named arenas (file_system) take room in a filesystem that every process shares and
-/// that may be small (a container's 64 MiB /dev/shm), where room a process keeps for reuse
-/// is room another cannot have. Where that filesystem has a size, a process's named pooled
-/// arenas hold at most `room / ROOM_ARENA` bytes of data each (free slots of one size class
-/// cannot serve another), and once its arenas take more than `room / ROOM_BUSY` in all, it
-/// keeps at most `room / ROOM_FREE` bytes of free arenas when it makes another; the rest go
-/// back (their room returns once no other process maps them: see the receive cache).
-const ROOM_ARENA: usize = 64;
-const ROOM_BUSY: usize = 8;
-const ROOM_FREE: usize = 16;
 
 /// Where this process's arenas are kept, one allocator per strategy.
 struct Allocator {
@@ -215,51 +203,6 @@ fn allocate_locked(alloc: &mut Allocator, len: usize, strategy: SharingStrategy)
     Ok(Slot { arena, slot: 0 })
 }
 
-/// Before this allocator makes an arena of `coming` bytes (`ask`: the kernel may be asked
-/// which arenas other processes hold), and when one of its named arenas loses its last
-/// handle here: where its room is bounded and its arenas would take more than
-/// `room / ROOM_BUSY`, lets go of
-/// - one-slot arenas with no handle here that it has sent since it last saw them free:
-///   other processes may still hold them, and their room goes back to the filesystem when
-///   the last of them lets go, as a file per storage does. (Kept for reuse, they would hold
-///   that room while this process, which may not allocate again for long, cannot tell they
-///   are free.)
-/// - arenas free everywhere beyond `room / ROOM_FREE` bytes of them.
-///
-/// An arena of several slots with one held elsewhere is kept: its free slots serve the
-/// next allocations.
-fn keep_within_room(alloc: &mut Allocator, coming: usize, ask: bool) {
-    let Some(room) = alloc.room else { return };
-    let total = alloc.arenas().map(|a| a.seg.len()).fold(coming, usize::saturating_add);
-    let busy = total > room / ROOM_BUSY;
-    NAMED_BUSY.store(busy, Ordering::Relaxed);
-    if !busy {
-        return;
-    }
-    let mut free = 0usize;
-    let mut keep = |a: &Arc<Arena>| {
-        let free_everywhere = match a.use_of_slots() {
-            SlotUse::Here => return true,
-            SlotUse::Sent if a.nslots == 1 => return false,
-            SlotUse::Sent => ask && !a.in_use(),
-            SlotUse::Free => true,
-        };
-        if !free_everywhere {
-            return true;
-        }
-        free = free.saturating_add(a.seg.len());
-        free <= room / ROOM_FREE
-    };
-    for class in &mut alloc.classes {
-        let before = class.arenas.len();
-        class.arenas.retain(&mut keep);
-        if class.arenas.len() != before {
-            class.cursor = (0, 0);
-        }
-    }
-    alloc.large.retain(keep);
-}
-
 /// A new arena; when shared memory has no room for it, once more after letting go of this
 /// allocator's free arenas (those of other size classes, and the large ones kept for
 /// reuse), whose room a program that shared and dropped tensors of other sizes would
@@ -318,16 +261,6 @@ pub(super) fn freed_here(strategy: SharingStrategy) {
     }
 }
 
-/// Whether this process's named arenas took more than `room / ROOM_BUSY` when last
-/// counted (at the last one made, or slot freed while this was so): then each slot freed
-/// here applies `keep_within_room`, and otherwise costs nothing more.
-static NAMED_BUSY: AtomicBool = AtomicBool::new(false);
-
-/// See `NAMED_BUSY`.
-pub(super) fn named_busy() -> bool {
-    NAMED_BUSY.load(Ordering::Relaxed)
-}
-
 /// Lets go of free one-slot arenas beyond the bounds of `LARGE_RETAIN`, oldest first,
 /// counting `coming` bytes about to be made.
 fn retire_large(alloc: &mut Allocator, coming: Option<usize>) {
@@ -379,6 +312,13 @@ fn trim_locked(alloc: &mut Allocator) -> usize {
     alloc.large.retain(|a| a.in_use());
     n + before - alloc.large.len()
 }
+
+#[path = "room.rs"]
+mod room;
+pub(super) use room::named_busy;
+use room::{keep_within_room, ROOM_ARENA};
+#[cfg(test)]
+use room::{SlotUse, ROOM_FREE};
 
 #[cfg(test)]
 #[path = "allocator_tests.rs"]

@@ -131,17 +131,6 @@ struct SendHold {
     tag: u64,
 }
 
-/// Who may use an arena's slots, as its creator knows without asking the kernel.
-enum SlotUse {
-    /// This process has a handle of one.
-    Here,
-    /// None here; some were sent (or a child forked) since they were last seen free, and
-    /// other processes may hold them.
-    Sent,
-    /// None anywhere.
-    Free,
-}
-
 impl std::fmt::Debug for Arena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Arena")
@@ -377,18 +366,6 @@ impl Arena {
     /// The slot to ask about next after `slot`, which a lock ending at `end` covers.
     fn past(&self, slot: u32, end: u64) -> u32 {
         u32::try_from(end).unwrap_or(self.nslots).min(self.nslots).max(slot + 1)
-    }
-
-    /// The creator's view of its slots' use, without asking the kernel.
-    fn use_of_slots(&self) -> SlotUse {
-        let st = self.state();
-        if st.local.iter().any(|&c| c != 0) {
-            SlotUse::Here
-        } else if self.forked.load(std::sync::atomic::Ordering::Acquire) || st.exposed.iter().any(|&e| e) {
-            SlotUse::Sent
-        } else {
-            SlotUse::Free
-        }
     }
 
     /// Whether any slot is in use: by a handle here, or by a lock of another description.
