@@ -944,6 +944,16 @@ def test_inherited_reads_a_handed_value_and_names_a_descriptor_that_is_not_open(
     monkeypatch.setenv("TS_TEST_HANDOFF", data.hex() + ":" + str(mine[0]))
     with pytest.raises(OSError, match="of a value sent to this process"):
         tensorshare.inherited("TS_TEST_HANDOFF")
+    # A text that is not one (no parent wrote it) leaves the descriptors it names alone.
+    keep = os.dup(1)
+    try:
+        for text in (f"zz:{keep}", f"{data.hex()}:{keep},x", f"@y:{keep}"):
+            monkeypatch.setenv("TS_TEST_HANDOFF", text)
+            with pytest.raises(ValueError):
+                tensorshare.inherited("TS_TEST_HANDOFF")
+            os.fstat(keep)  # still open
+    finally:
+        os.close(keep)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -195,11 +195,14 @@ def inherited(var=HANDOFF_VAR):
 
     text = os.environ.pop(var)
     data, _, fds = text.partition(":")
+    # The whole text is read before any descriptor it names is touched: a malformed one
+    # (not written by popen or pass_to) may name descriptors this process uses otherwise,
+    # such as its stdout, which are then left alone.
     fds = [int(f) for f in fds.split(",") if f]
-    file = None
+    file = int(data[1:]) if data.startswith("@") else None
+    inline = None if file is not None else bytes.fromhex(data)
     try:
-        if data.startswith("@"):
-            file = int(data[1:])
+        if file is not None:
             size = os.fstat(file).st_size
             parts, at = [], 0
             while at < size:  # read at offsets: the description is shared with the parent
@@ -211,7 +214,7 @@ def inherited(var=HANDOFF_VAR):
                 parts.append(part)
                 at += len(part)
             return _native.import_(b"".join(parts), fds)
-        return _native.import_(bytes.fromhex(data), fds)
+        return _native.import_(inline, fds)
     finally:
         for fd in fds if file is None else [*fds, file]:
             # One that is not open was reported by import_ already (it is not closed here
