@@ -112,7 +112,8 @@ impl Value {
             Value::SimpleQueue(_) => "a SimpleQueue",
             Value::Object { .. } => {
                 "a pickled Python object (which Rust cannot read: a Python int outside i64 and u64, a set, \
-                 an instance of a class, ...)"
+                 an instance of a class, a numpy scalar, ...; the Python value that holds one may be \
+                 pickled whole, so convert such items before sending, e.g. int(x) of a numpy scalar)"
             }
             Value::Connection(_) => "a pipe's end",
         }
