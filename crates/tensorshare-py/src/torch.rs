@@ -923,20 +923,29 @@ fn move_sized<'py>(
     }
     MOVES.fetch_add(1, Ordering::Relaxed);
     MOVED_AWAY.with(|k| {
-        if let Some(kept) = k.borrow_mut().as_mut() {
-            kept.push(fresh.unbind());
+        if let Some((kept, bytes)) = k.borrow_mut().as_mut() {
+            if let Some(total) = bytes.checked_add(nbytes).filter(|&t| t <= MOVED_AWAY_MAX) {
+                kept.push(fresh.unbind());
+                *bytes = total;
+            }
         }
     });
     Ok(Moved::Into(block))
 }
 
+/// Most bytes of old memory `MOVED_AWAY` keeps for one value: beyond, a storage's old memory
+/// is freed with its move, as before (a value of many large storages, a model's weights,
+/// would otherwise hold its private and its shared copy at once).
+const MOVED_AWAY_MAX: usize = 64 << 20;
+
 thread_local! {
     /// While a value is being turned into a message (`keeping_moved_memory`), the old memory
-    /// of the storages moved into blocks on the way: a numpy array of one of them in the
-    /// same value (`q.put([t, t.numpy()])`, `t` not shared yet) views that memory, and is
-    /// copied from it after the move. Kept until the value is turned; the array the program
-    /// keeps views freed memory after that, as after torch's own `share_memory_()`.
-    static MOVED_AWAY: std::cell::RefCell<Option<Vec<Py<PyAny>>>> = const { std::cell::RefCell::new(None) };
+    /// of the storages moved into blocks on the way, up to `MOVED_AWAY_MAX` bytes, and how
+    /// many bytes that is: a numpy array of one of them in the same value
+    /// (`q.put([t, t.numpy()])`, `t` not shared yet) views that memory, and is copied from
+    /// it after the move. Kept until the value is turned; the array the program keeps views
+    /// freed memory after that, as after torch's own `share_memory_()`.
+    static MOVED_AWAY: std::cell::RefCell<Option<(Vec<Py<PyAny>>, usize)>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Runs `f`, which turns a value into a message, keeping the old memory of the storages it
@@ -955,7 +964,7 @@ pub(crate) fn keeping_moved_memory<R>(f: impl FnOnce() -> R) -> R {
         let mut k = k.borrow_mut();
         let outermost = k.is_none();
         if outermost {
-            *k = Some(Vec::new());
+            *k = Some((Vec::new(), 0));
         }
         outermost
     });

@@ -284,6 +284,14 @@ def test_shared_arrays_of_python_objects_are_refused(dtype):
         tensorshare.empty_shared_array(4, dtype)
 
 
+def test_shared_constructors_take_a_numpy_integer_as_a_size_as_torch_and_numpy_do():
+    assert tensorshare.empty_shared_array(np.int64(4), "float32").shape == (4,)
+    assert tensorshare.empty_shared_array((np.int32(2), 3), "int8").shape == (2, 3)
+    torch = import_torch()
+    assert tuple(tensorshare.empty_shared(np.int64(4), torch.float32).shape) == (4,)
+    assert tuple(tensorshare.empty_shared(torch.Size([2, 3]), torch.complex64).shape) == (2, 3)
+
+
 def test_shared_constructors_refuse_negative_sizes_as_torch_and_numpy_do():
     with pytest.raises(ValueError, match="negative dimensions are not allowed"):
         tensorshare.empty_shared_array((-2, -2), "float32")

@@ -54,6 +54,17 @@ __all__ = [
 ]
 
 
+def _shape(shape):
+    """``shape`` as a tuple of ints: one size (an int or a numpy integer, as torch.empty and
+    numpy.empty take it) or an iterable of them."""
+    import operator
+
+    try:
+        return (operator.index(shape),)
+    except TypeError:
+        return tuple(operator.index(n) for n in shape)
+
+
 def _refuse_negative(shape):
     """torch's error for a negative size, where ``shape`` has one."""
     if any(n < 0 for n in shape):
@@ -69,7 +80,7 @@ def empty_shared(shape, dtype=None):
 
         dtype = torch.get_default_dtype()
     if type(shape) is not tuple:
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        shape = _shape(shape)
     try:
         t = _native.empty_shared_tensor(shape, dtype)
     except OverflowError:
@@ -102,7 +113,7 @@ def empty_shared_array(shape, dtype="float32"):
             f"shared memory cannot hold Python objects (dtype {dt}): their pointers mean nothing "
             "in another process; use a dtype of plain data"
         )
-    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    shape = _shape(shape)
     if any(n < 0 for n in shape):
         raise ValueError("negative dimensions are not allowed")
     numel = 1

@@ -49,7 +49,7 @@ class ProcessException(Exception):
         return self.error_pid
 
     def __reduce__(self):
-        return _plain(type(self)), (self.msg, self.error_index, self.error_pid)
+        return _rebuild, (_plain(type(self)), (self.msg, self.error_index, self.error_pid))
 
 
 class ProcessRaisedException(ProcessException):
@@ -66,7 +66,7 @@ class ProcessExitedException(ProcessException):
 
     def __reduce__(self):
         args = (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name)
-        return _plain(type(self)), args
+        return _rebuild, (_plain(type(self)), args)
 
 
 _ALSO_TORCHS = {}
@@ -85,7 +85,11 @@ def _also_torchs(cls):
         both = type(
             cls.__name__,
             (cls, theirs),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_tensorshare_class": cls},
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_tensorshare_class": cls,
+            },
         )
         _ALSO_TORCHS[cls] = both
     return both
@@ -94,6 +98,12 @@ def _also_torchs(cls):
 def _plain(cls):
     """This package's own class of an exception raised as torch's too (pickled by name)."""
     return cls.__dict__.get("_tensorshare_class", cls)
+
+
+def _rebuild(cls, args):
+    """An exception of ``cls`` unpickled (or copied): torch's class too where torch is
+    imported, as where it was raised."""
+    return _also_torchs(cls)(*args)
 
 
 def _set_parent_death_signal(sig):
