@@ -487,6 +487,8 @@ def test_spawn_with_another_start_method_warns_and_spawns():
 def test_errors_pickle():
     # The pid is error_pid, as torch names it (torch.distributed.elastic reads it; it was
     # `pid` here), in the constructor too.
+    # (Made here, not raised by spawn: the package's own class, also where another test of
+    # this process has imported torch.)
     raised = pickle.loads(pickle.dumps(mp.ProcessRaisedException("Oh no!", error_index=1, error_pid=2)))
     assert type(raised) is mp.ProcessRaisedException
     assert (raised.msg, raised.error_index, raised.error_pid, raised.pid) == ("Oh no!", 1, 2, 2)

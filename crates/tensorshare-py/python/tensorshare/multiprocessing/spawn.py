@@ -49,7 +49,7 @@ class ProcessException(Exception):
         return self.error_pid
 
     def __reduce__(self):
-        return _rebuild, (_plain(type(self)), (self.msg, self.error_index, self.error_pid))
+        return _rebuild, (_plain(type(self)), (self.msg, self.error_index, self.error_pid), _is_torchs(self))
 
 
 class ProcessRaisedException(ProcessException):
@@ -66,7 +66,7 @@ class ProcessExitedException(ProcessException):
 
     def __reduce__(self):
         args = (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name)
-        return _rebuild, (_plain(type(self)), args)
+        return _rebuild, (_plain(type(self)), args, _is_torchs(self))
 
 
 _ALSO_TORCHS = {}
@@ -100,10 +100,15 @@ def _plain(cls):
     return cls.__dict__.get("_tensorshare_class", cls)
 
 
-def _rebuild(cls, args):
-    """An exception of ``cls`` unpickled (or copied): torch's class too where torch is
-    imported, as where it was raised."""
-    return _also_torchs(cls)(*args)
+def _is_torchs(e):
+    """Whether ``e`` was raised as torch's class too (see ``_also_torchs``)."""
+    return type(e) is not _plain(type(e))
+
+
+def _rebuild(cls, args, torchs=False):
+    """An exception of ``cls`` unpickled (or copied): torch's class too where it was and
+    torch is imported here."""
+    return (_also_torchs(cls) if torchs else cls)(*args)
 
 
 def _set_parent_death_signal(sig):
