@@ -23,6 +23,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+#[path = "atomic_bytes/streamed.rs"]
+mod streamed;
+
 /// The unit of every access.
 pub(crate) const WORD: usize = 8;
 
@@ -211,14 +214,23 @@ pub(crate) unsafe fn store_from_volatile(src: *const u8, dst: *mut u8, len: usiz
     let mut bytes = [0u8; WORD];
     // SAFETY: the head, the words and the tail cover the two ranges the caller vouched for,
     // at the same offsets; `src + head` is 8-byte aligned as `dst + head` is (the two are
-    // equal modulo 8), so every whole word is read aligned and lies in `src..src + len`; the
-    // head and the tail are read byte by byte and each lies in one word of `dst`.
+    // equal modulo 8), so every whole word is read aligned and lies in `src..src + len`
+    // (those `stream_words` copies, fewer than `body / WORD`, are the first ones, which it
+    // takes from and writes to the same aligned ranges); the head and the tail are read byte
+    // by byte and each lies in one word of `dst`.
     unsafe {
         for (k, b) in bytes[..head].iter_mut().enumerate() {
             *b = src.add(k).read_volatile();
         }
         store_in_word(dst, &bytes[..head]);
-        for k in 0..body / WORD {
+        // A large copy goes straight to memory a line at a time (see `streamed`); the words
+        // it leaves are copied below.
+        let streamed = if body >= streamed::STREAM_MIN {
+            streamed::stream_words(src.add(head).cast(), dst.add(head).cast(), body / WORD)
+        } else {
+            0
+        };
+        for k in streamed..body / WORD {
             let w = src.add(head + k * WORD).cast::<u64>().read_volatile();
             AtomicU64::from_ptr(dst.add(head + k * WORD).cast::<u64>()).store(w, Ordering::Relaxed);
         }
