@@ -62,6 +62,8 @@ pub(crate) struct Api {
     /// raises for one of torch's named segments).
     storage_shared_fd: Method,
     empty_strided: Py<PyAny>,
+    /// `torch.get_num_threads`, the threads torch's copies use (see [`copies_here`]).
+    get_num_threads: Py<PyAny>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
     /// GIL let go: a Python thread forking then would leave it half filled in its child.
     key_dtype: Py<PyString>,
@@ -169,6 +171,7 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_shared_fd: Method::new(&storage_base, "_get_shared_fd")?,
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             empty_strided: torch.getattr("empty_strided")?.unbind(),
+            get_num_threads: c_function(c.getattr("get_num_threads")?, "get_num_threads")?.unbind(),
             key_dtype: PyString::new(py, "dtype").unbind(),
             key_device: PyString::new(py, "device").unbind(),
             dtypes,
@@ -769,9 +772,24 @@ const MOVE_NEEDS_SWAP: &str =
 static MOVES: AtomicU64 = AtomicU64::new(0);
 
 /// Storages of up to this many bytes are copied into their block here (see [`copy_out`]);
-/// larger ones by torch, whose copy is vectorised and threaded and whose call's fixed cost
-/// (about 2 µs) only small storages notice.
+/// larger ones by torch when its copy is threaded (see [`copies_here`]), since its call's
+/// fixed cost (several torch operations) only small storages notice.
 const COPY_HERE_MAX: usize = 64 * 1024;
+
+/// Storages of up to this many bytes are copied here too where torch would copy on one
+/// thread (`torch.get_num_threads() == 1`, as in a DataLoader's workers): the copy here
+/// writes a large storage straight to memory (see `tensorshare`'s `atomic_bytes`), for the
+/// process that reads it next, where torch's fills this core's caches with it and pushes
+/// out what the process was using, and it skips torch's fixed cost. It holds the GIL (see
+/// [`copy_out`]): at most a few hundred microseconds, at this size.
+const COPY_HERE_ONE_THREAD_MAX: usize = 8 << 20;
+
+/// Whether a CPU storage of `nbytes` is copied into its block here rather than by torch.
+fn copies_here(py: Python<'_>, api: &Api, nbytes: usize) -> PyResult<bool> {
+    Ok(nbytes <= COPY_HERE_MAX
+        || (nbytes <= COPY_HERE_ONE_THREAD_MAX
+            && api.get_num_threads.bind(py).call0()?.extract::<usize>()? == 1))
+}
 
 /// [`move_storage`] of the whole of `storage`, its size as torch's C method reports it, for
 /// Python code that found it in no block: the block it is in when it is in one now (another
@@ -852,7 +870,7 @@ fn move_sized<'py>(
         return Err(PyRuntimeError::new_err(MOVE_NEEDS_SWAP));
     };
     let here =
-        nbytes <= COPY_HERE_MAX && (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?);
+        (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?) && copies_here(py, api, nbytes)?;
     // torch's copy lets the GIL go: another thread sending the same storage meanwhile
     // waits for this move, and sends the block it made (see `Moving`).
     let _moving = if here {
@@ -882,8 +900,8 @@ fn move_sized<'py>(
     }
     // The storage takes the block's memory, and the reference to the block that keeps it
     // mapped; `fresh` takes what the storage had, and frees it when it goes. The bytes are
-    // copied after the swap when few (see `copy_out`), else before it by torch, under its
-    // own rules.
+    // copied after the swap here (see `copies_here`, `copy_out`), else before it by torch,
+    // under its own rules.
     let moved = here && {
         swap.call1(storage, &fresh)?;
         match copy_out(api, &fresh, block.get()) {

@@ -447,12 +447,24 @@ def _write_what_comes(queues, done):
     done.put("done")
 
 
-def test_two_threads_sending_one_large_new_tensor_at_once_send_the_same_memory():
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def torch_threads(request):
+    """torch's thread count for the test: with one, a move of up to 8 MiB copies into its
+    block in tensorshare, straight to memory; with more, above 64 KiB, torch copies."""
+    torch = import_torch()
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_two_threads_sending_one_large_new_tensor_at_once_send_the_same_memory(torch_threads):
     # Before: above 64 KiB torch copies the storage into its block, letting the GIL go;
     # a second thread sending the same storage meanwhile moved it too, into a block of its
     # own, copying from memory the first then freed, and one of the two messages named a
     # block the tensor no longer used (the child's write through it was lost). Now the
-    # second waits for the first move and sends its block.
+    # second waits for the first move and sends its block. (With one torch thread the move
+    # of a 4 MiB storage holds the GIL throughout, and the second finds it moved.)
     import threading
 
     torch = import_torch()
@@ -496,6 +508,53 @@ def _fill_with_sevens(q, back):
     t = q.get(timeout=LONG)
     t.fill_(7.0)
     back.put(float(t.sum()))
+
+
+def _sum_then_fill_with_sevens(q, back):
+    while (t := q.get(timeout=LONG)) is not None:
+        back.put(int(t.sum()))
+        t.fill_(7)
+        back.put("filled")
+
+
+# Past both copy thresholds' edges, whole 64-byte lines and not, and a size torch copies
+# whatever its threads.
+LARGE_MOVES = [(64 << 10) + 1, 1 << 20, (1 << 20) + 13, (8 << 20) + 8]
+
+
+@pytest.mark.parametrize("nbytes", LARGE_MOVES)
+@pytest.mark.parametrize("how", ["share_memory_", "put"])
+def test_a_large_storage_moves_whole_and_in_place_however_many_threads_torch_has(nbytes, how, torch_threads):
+    # A move copies into the block in tensorshare (one torch thread, up to 8 MiB: whole
+    # lines written straight to memory, the rest word by word) or by torch: either way
+    # every byte arrives, the tensor and its views follow it into the block, and a child's
+    # writes reach them.
+    import tensorshare.multiprocessing as mp
+
+    torch = import_torch()
+    ctx = mp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_sum_then_fill_with_sevens, args=(q, back))
+    p.start()
+    try:
+        t = (torch.arange(nbytes, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+        view = t[3:-5]
+        expected = t.clone()
+        old = t.untyped_storage().data_ptr()
+        if how == "share_memory_":
+            t.share_memory_()
+            assert t.is_shared() and t.untyped_storage().data_ptr() != old
+            assert torch.equal(t, expected)
+        q.put(t)
+        assert back.get(timeout=LONG) == int(expected.sum(dtype=torch.int64))
+        assert back.get(timeout=LONG) == "filled"
+        q.put(None)
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+    assert t.is_shared() and t.untyped_storage().data_ptr() != old
+    assert view.data_ptr() == t.data_ptr() + 3
+    assert bool((t == 7).all()) and bool((view == 7).all())
 
 
 def test_a_tensor_over_a_file_torch_maps_shared_is_refused_and_stays_in_its_file(ctx, tmp_path):
