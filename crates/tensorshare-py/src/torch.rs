@@ -62,8 +62,10 @@ pub(crate) struct Api {
     /// raises for one of torch's named segments).
     storage_shared_fd: Method,
     empty_strided: Py<PyAny>,
-    /// `torch.get_num_threads`, the threads torch's copies use (see [`copies_here`]).
-    get_num_threads: Py<PyAny>,
+    /// `torch.get_num_threads`, the threads torch's copies use in the calling thread (see
+    /// [`copies_here`]); `None` where a program replaced torch's C function (torch copies
+    /// then, as before).
+    get_num_threads: Option<Py<PyAny>>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
     /// GIL let go: a Python thread forking then would leave it half filled in its child.
     key_dtype: Py<PyString>,
@@ -171,7 +173,11 @@ pub(crate) fn api(py: Python<'_>) -> PyResult<Option<&Api>> {
             storage_shared_fd: Method::new(&storage_base, "_get_shared_fd")?,
             storage_swap: if swap { Some(Method::new(&storage_base, "_swap_data_ptr_")?) } else { None },
             empty_strided: torch.getattr("empty_strided")?.unbind(),
-            get_num_threads: c_function(c.getattr("get_num_threads")?, "get_num_threads")?.unbind(),
+            get_num_threads: c
+                .getattr("get_num_threads")
+                .ok()
+                .and_then(|f| c_function(f, "get_num_threads").ok())
+                .map(Bound::unbind),
             key_dtype: PyString::new(py, "dtype").unbind(),
             key_device: PyString::new(py, "device").unbind(),
             dtypes,
@@ -777,18 +783,23 @@ static MOVES: AtomicU64 = AtomicU64::new(0);
 const COPY_HERE_MAX: usize = 64 * 1024;
 
 /// Storages of up to this many bytes are copied here too where torch would copy on one
-/// thread (`torch.get_num_threads() == 1`, as in a DataLoader's workers): the copy here
-/// writes a large storage straight to memory (see `tensorshare`'s `atomic_bytes`), for the
-/// process that reads it next, where torch's fills this core's caches with it and pushes
-/// out what the process was using, and it skips torch's fixed cost. It holds the GIL (see
-/// [`copy_out`]): at most a few hundred microseconds, at this size.
-const COPY_HERE_ONE_THREAD_MAX: usize = 8 << 20;
+/// thread (`torch.get_num_threads() == 1` in the calling thread, as in a DataLoader's
+/// workers): the copy here writes a large storage straight to memory (see `tensorshare`'s
+/// `atomic_bytes`), for the process that reads it next, where torch's fills this core's
+/// caches with it and pushes out what the process was using, and it skips torch's fixed
+/// cost. It holds the GIL (see [`copy_out`]), about a millisecond at this size where the
+/// block's pages are new to the process, much less where its slot is reused.
+const COPY_HERE_ONE_THREAD_MAX: usize = 2 << 20;
 
 /// Whether a CPU storage of `nbytes` is copied into its block here rather than by torch.
 fn copies_here(py: Python<'_>, api: &Api, nbytes: usize) -> PyResult<bool> {
-    Ok(nbytes <= COPY_HERE_MAX
-        || (nbytes <= COPY_HERE_ONE_THREAD_MAX
-            && api.get_num_threads.bind(py).call0()?.extract::<usize>()? == 1))
+    if nbytes <= COPY_HERE_MAX {
+        return Ok(true);
+    }
+    let Some(get_num_threads) = &api.get_num_threads else {
+        return Ok(false);
+    };
+    Ok(nbytes <= COPY_HERE_ONE_THREAD_MAX && get_num_threads.bind(py).call0()?.extract::<usize>()? == 1)
 }
 
 /// [`move_storage`] of the whole of `storage`, its size as torch's C method reports it, for
@@ -872,8 +883,11 @@ fn move_sized<'py>(
     let here =
         (on_cpu || api.storage_device.get(storage)?.eq(api.cpu.bind(py))?) && copies_here(py, api, nbytes)?;
     // torch's copy lets the GIL go: another thread sending the same storage meanwhile
-    // waits for this move, and sends the block it made (see `Moving`).
-    let _moving = if here {
+    // waits for this move, and sends the block it made (see `Moving`). A move of more than
+    // `COPY_HERE_MAX` bytes claims the storage even where it copies here, with the GIL held
+    // throughout: another thread may be moving it with torch's copy, as torch's thread count,
+    // which picks the way (`copies_here`), is each thread's own.
+    let _moving = if here && nbytes <= COPY_HERE_MAX {
         None
     } else {
         match Moving::claim(py, api, storage)? {

@@ -9,7 +9,10 @@
 //! words: a load, a store of a whole word, or a compare-exchange that replaces part of a
 //! word. So two safe accesses of the same bytes are never a data race, and never atomic
 //! accesses of different sizes (which the Rust memory model leaves undefined as well),
-//! whatever dtypes their views have. A write from another process is outside the Rust
+//! whatever dtypes their views have. Large copies of outside memory into a storage (see
+//! `streamed`) store their words with non-temporal instructions in assembly: each is one
+//! aligned 8-byte store, atomic as a relaxed store is, and a fence orders them before what
+//! follows, so the rule holds for them too. A write from another process is outside the Rust
 //! memory model; at worst it gives torn values (a word is never torn, and no element spans
 //! two words), which readers validate where not every bit pattern is valid (`bool`).
 //!
@@ -215,7 +218,7 @@ pub(crate) unsafe fn store_from_volatile(src: *const u8, dst: *mut u8, len: usiz
     // SAFETY: the head, the words and the tail cover the two ranges the caller vouched for,
     // at the same offsets; `src + head` is 8-byte aligned as `dst + head` is (the two are
     // equal modulo 8), so every whole word is read aligned and lies in `src..src + len`
-    // (those `stream_words` copies, fewer than `body / WORD`, are the first ones, which it
+    // (those `stream_words` copies, at most `body / WORD`, are the first ones, which it
     // takes from and writes to the same aligned ranges); the head and the tail are read byte
     // by byte and each lies in one word of `dst`.
     unsafe {
