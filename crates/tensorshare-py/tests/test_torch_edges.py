@@ -1103,12 +1103,6 @@ def test_a_tensor_another_thread_sends_while_share_memory_decides_is_moved_once(
     assert t.sum().item() == 7.0 * size
 
 
-def _fill_what_comes_with_sevens(q, back):
-    while (t := q.get(timeout=LONG)) is not None:
-        t.fill_(7)
-        back.put("filled")
-
-
 def test_a_storage_two_threads_move_at_once_by_both_ways_is_moved_once():
     # torch's thread count is each thread's own, and it picks the way a storage of more
     # than 64 KiB moves: copied here, the GIL held, or by torch, which lets the GIL go. A
@@ -1122,7 +1116,7 @@ def test_a_storage_two_threads_move_at_once_by_both_ways_is_moved_once():
     torch = import_torch()
     ctx = mp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_fill_what_comes_with_sevens, args=(q, back))
+    p = ctx.Process(target=_sum_then_fill_with_sevens, args=(q, back))
     p.start()
     before = torch.get_num_threads()
     jobs, go, done, counts = [], threading.Semaphore(0), threading.Semaphore(0), []
@@ -1150,6 +1144,7 @@ def test_a_storage_two_threads_move_at_once_by_both_ways_is_moved_once():
             go.release()
             q.put(t)
             done.acquire()
+            back.get(timeout=LONG)  # the child's sum, before its fill
             assert back.get(timeout=LONG) == "filled"
             if not bool((t == 7).all()):
                 lost.append(trial)
