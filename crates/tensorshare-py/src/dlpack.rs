@@ -1,8 +1,9 @@
-//! torch tensors over blocks, made through DLPack (`torch._C._from_dlpack`).
+//! torch tensors over blocks, and over the core's CUDA allocations, made through DLPack
+//! (`torch._C._from_dlpack`).
 //!
 //! `torch.frombuffer` parses its arguments (about a third of its cost). A DLPack capsule is
 //! one argument; the tensor torch makes from it keeps the [`Export`] below, and with it the
-//! block, until torch calls the export's deleter when the storage is freed.
+//! block or the allocation, until torch calls the export's deleter when the storage is freed.
 
 use std::cell::Cell;
 use std::ffi::{c_void, CStr};
@@ -12,22 +13,31 @@ use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use tensorshare::interop::dlpack::dl_dtype;
-use tensorshare::DType;
+use tensorshare::{DType, Storage};
 
 use crate::Block;
 
 /// The name of a capsule holding a legacy `DLManagedTensor`.
 const NAME: &CStr = c"dltensor";
 
-/// What torch is handed: the descriptor it reads, its shape and stride, and the block,
-/// which the descriptor's memory is, kept alive until torch calls [`delete`].
+/// What torch is handed: the descriptor it reads, its shape and stride, and what the
+/// descriptor's memory is, kept alive until torch calls [`delete`].
 #[repr(C)]
 struct Export {
     /// First, so that the descriptor's address is the export's, which [`delete`] is given.
     managed: DLManagedTensor,
     shape: i64,
     stride: i64,
-    block: Py<Block>,
+    owner: Owner,
+}
+
+/// What an export's memory is.
+enum Owner {
+    /// A block, in host memory.
+    Block(Py<Block>),
+    /// A CUDA allocation of the core (a storage on a CUDA device), recorded as `id` in
+    /// [`crate::cuda`]'s table, whose entry goes with the export.
+    Device { storage: Storage, id: u64 },
 }
 
 /// A flat tensor of `dtype` over the whole of `block`, made by `from_dlpack`
@@ -39,19 +49,55 @@ pub(crate) fn flat<'py>(
     dtype: DType,
 ) -> PyResult<Bound<'py, PyAny>> {
     let storage = &block.get().storage;
-    let len = storage.len();
+    let data = storage.as_mut_ptr().cast::<c_void>();
+    export(py, from_dlpack, data, storage.len(), DLDevice::CPU, dtype, Owner::Block(block.clone().unbind()))
+}
+
+/// A flat `uint8` tensor over the whole of `storage`, a CUDA allocation of the core on
+/// device `index`, made by `from_dlpack`, whose storage holds a clone of `storage` until
+/// torch frees it, and then lets [`crate::cuda`] forget entry `id`.
+pub(crate) fn flat_device<'py>(
+    py: Python<'py>,
+    from_dlpack: &Bound<'py, PyAny>,
+    storage: &Storage,
+    index: u32,
+    id: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let index = i32::try_from(index).map_err(|_| PyValueError::new_err(format!("no CUDA device {index}")))?;
+    // A device storage's pointer is the allocation's device address (unified addressing),
+    // which DLPack's `data` is for a CUDA tensor.
+    let data = storage.as_mut_ptr().cast::<c_void>();
+    let owner = Owner::Device { storage: storage.clone(), id };
+    export(py, from_dlpack, data, storage.len(), DLDevice::cuda(index), DType::U8, owner)
+}
+
+/// A flat tensor of `dtype` over the `len` bytes at `data` on `device`, which `owner` keeps.
+fn export<'py>(
+    py: Python<'py>,
+    from_dlpack: &Bound<'py, PyAny>,
+    data: *mut c_void,
+    len: usize,
+    device: DLDevice,
+    dtype: DType,
+    owner: Owner,
+) -> PyResult<Bound<'py, PyAny>> {
     if len == 0 || !len.is_multiple_of(dtype.size()) {
+        let what = if matches!(owner, Owner::Block(_)) { "a block" } else { "a CUDA allocation" };
+        // The owner is let go here, as after a refusal by torch (see `delete`).
+        drop_owner(owner);
         return Err(PyValueError::new_err(format!(
-            "a block of {len} bytes is no whole number of {dtype} elements (and at least one)"
+            "{what} of {len} bytes is no whole number of {dtype} elements (and at least one)"
         )));
     }
-    let n = i64::try_from(len / dtype.size())
-        .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large for torch")))?;
+    let Ok(n) = i64::try_from(len / dtype.size()) else {
+        drop_owner(owner);
+        return Err(PyValueError::new_err(format!("a memory of {len} bytes is too large for torch")));
+    };
     let raw = Box::into_raw(Box::new(Export {
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
-                data: storage.as_mut_ptr().cast::<c_void>(),
-                device: DLDevice::CPU,
+                data,
+                device,
                 ndim: 1,
                 dtype: dl_dtype(dtype),
                 shape: std::ptr::null_mut(),
@@ -63,7 +109,7 @@ pub(crate) fn flat<'py>(
         },
         shape: n,
         stride: 1,
-        block: block.clone().unbind(),
+        owner,
     }));
     // SAFETY: `raw` is the live allocation just made, owned here until the capsule takes it;
     // the shape and stride pointers point into the same allocation, which does not move and
@@ -102,12 +148,12 @@ pub(crate) fn flat<'py>(
 thread_local! {
     /// The export whose `from_dlpack` call runs in this thread, until [`delete`] frees it
     /// (which torch does in the same thread when a call fails after it wrapped the
-    /// descriptor): after a failed call, whether the export is still [`flat`]'s to free.
+    /// descriptor): after a failed call, whether the export is still [`export`]'s to free.
     static IN_FLIGHT: Cell<*mut DLManagedTensor> = const { Cell::new(std::ptr::null_mut()) };
 }
 
 /// The descriptor's deleter, called once by whoever owns the export last: torch when it
-/// frees the storage, or [`flat`] when torch did not take it.
+/// frees the storage, or [`export`] when torch did not take it.
 unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
     // `try_with`: during this thread's teardown the slot may be gone; nothing is in flight
     // then.
@@ -117,12 +163,25 @@ unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
         }
     });
     // SAFETY: every descriptor whose deleter is this one is the first field of an `Export`
-    // boxed by `flat` (`repr(C)`: the same address), and DLPack's owner calls the deleter
+    // boxed by `export` (`repr(C)`: the same address), and DLPack's owner calls the deleter
     // once, after its last use of the descriptor, so the box is ours to free.
     let export = unsafe { Box::from_raw(managed.cast::<Export>()) };
-    let Export { block, .. } = *export;
-    // SAFETY: a strong reference, now owned here alone.
-    unsafe { release(block.into_ptr()) };
+    let Export { owner, .. } = *export;
+    drop_owner(owner);
+}
+
+/// Lets go of what an export kept, from any thread, holding the GIL or not (see [`release`]).
+fn drop_owner(owner: Owner) {
+    match owner {
+        // SAFETY: a strong reference, now owned here alone.
+        Owner::Block(block) => unsafe { release(block.into_ptr()) },
+        Owner::Device { storage, id } => {
+            // The table's entry first: while it is there, the allocation is found by its
+            // address (and `storage` keeps it mapped there).
+            crate::cuda::forget(storage.data_ptr(), id);
+            drop(storage);
+        }
+    }
 }
 
 /// Lets go of strong reference `obj` from any thread, holding the GIL or not: torch frees a
@@ -135,7 +194,7 @@ unsafe extern "C" fn delete(managed: *mut DLManagedTensor) {
 ///
 /// # Safety
 /// `obj` must be a strong reference the caller owns, and gives up here.
-unsafe fn release(obj: *mut ffi::PyObject) {
+pub(crate) unsafe fn release(obj: *mut ffi::PyObject) {
     // SAFETY: `Py_IsInitialized` may be called from any thread at any time; the reference is
     // let go with the GIL held, taken here if need be, and given back as it was.
     unsafe {

@@ -16,6 +16,7 @@ use pyo3::{create_exception, ffi};
 use tensorshare::{Error, Storage};
 
 mod convert;
+mod cuda;
 mod descr;
 mod dlpack;
 mod pipe;
@@ -208,6 +209,26 @@ fn empty_shared_tensor<'py>(
     torch::empty_shared(py, api, shape, dtype)
 }
 
+/// A torch tensor of `shape` (a tuple) and `dtype` over a new CUDA allocation of the core on
+/// device `index`, which travels as a tensorshare handle (see `cuda`).
+#[pyfunction]
+fn empty_shared_cuda<'py>(
+    py: Python<'py>,
+    shape: &Bound<'py, pyo3::types::PyTuple>,
+    dtype: &Bound<'py, PyAny>,
+    index: u32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let api = torch::api(py)?.ok_or_else(|| PyRuntimeError::new_err("torch is not imported"))?;
+    cuda::empty(py, api, shape, dtype, index)
+}
+
+/// Gives the CUDA allocations of tensorshare's that this process made and nothing holds any
+/// more (their holders let go, exited or were killed) back to the driver; the bytes given.
+#[pyfunction]
+fn cuda_empty_cache(py: Python<'_>) -> usize {
+    py.detach(tensorshare::cuda::empty_cache)
+}
+
 /// Moves a CPU torch storage into a new block in place (as torch's `share_memory_()`, see
 /// `torch::move_storage`) and returns the block; one in a block already (another thread
 /// moved it since the caller looked) stays there, and that block is returned.
@@ -333,6 +354,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adopt_forked_queues, m)?)?;
     m.add_function(wrap_pyfunction!(is_tensor_handle, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_shared_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;

@@ -30,66 +30,66 @@ const NON_LEAF_REFUSED: &str = "Cowardly refusing to serialize non-leaf tensor w
 
 /// The parts of torch used here, looked up once torch is imported.
 pub(crate) struct Api {
-    tensor: Py<PyAny>,
-    parameter: Py<PyAny>,
-    strided: Py<PyAny>,
+    pub(crate) tensor: Py<PyAny>,
+    pub(crate) parameter: Py<PyAny>,
+    pub(crate) strided: Py<PyAny>,
     /// torch's dtype objects, in the order of [`DType::ALL`].
-    dtypes: Vec<Py<PyAny>>,
-    empty: Py<PyAny>,
-    frombuffer: Py<PyAny>,
+    pub(crate) dtypes: Vec<Py<PyAny>>,
+    pub(crate) empty: Py<PyAny>,
+    pub(crate) frombuffer: Py<PyAny>,
     /// `torch._C._from_dlpack`, which makes a tensor over a block for less than `frombuffer`
     /// (see [`crate::dlpack`]); `None` where torch lacks it.
-    from_dlpack: Option<Py<PyAny>>,
-    cpu: Py<PyAny>,
+    pub(crate) from_dlpack: Option<Py<PyAny>>,
+    pub(crate) cpu: Py<PyAny>,
     /// A tensor's attributes and methods, from `torch._C.TensorBase`, the C type under every
     /// torch tensor (see [`crate::descr`]).
-    t: TensorAccess,
+    pub(crate) t: TensorAccess,
     /// A storage's, from `torch._C.StorageBase`, the C type under every torch storage. These
     /// never hand a call to Python code (no torch function mode sees them), so what they
     /// report is torch's own, and calling them runs no Python code: [`copy_out`] reads
     /// memory where they say it is, with nothing run in between.
-    storage_data_ptr: Method,
-    storage_nbytes: Method,
-    storage_device: Getter,
-    storage_copy: Method,
+    pub(crate) storage_data_ptr: Method,
+    pub(crate) storage_nbytes: Method,
+    pub(crate) storage_device: Getter,
+    pub(crate) storage_copy: Method,
     /// `None` before torch 2.12, which cannot swap a storage's memory: a CPU tensor whose
     /// storage is in no block is then not a handle (see [`moves_into_block`]).
-    storage_swap: Option<Method>,
+    pub(crate) storage_swap: Option<Method>,
     /// torch's own `is_shared`, which the package's replacement of
     /// `UntypedStorage.is_shared` (true for blocks too) leaves as it was.
-    storage_is_shared: Method,
+    pub(crate) storage_is_shared: Method,
     /// The descriptor of torch's shared memory under a storage (-1 for a file torch maps;
     /// raises for one of torch's named segments).
-    storage_shared_fd: Method,
-    empty_strided: Py<PyAny>,
+    pub(crate) storage_shared_fd: Method,
+    pub(crate) empty_strided: Py<PyAny>,
     /// `torch.get_num_threads`, the threads torch's copies use in the calling thread (see
     /// [`copies_here`]); `None` where a program replaced torch's C function (torch copies
     /// then, as before).
-    get_num_threads: Option<Py<PyAny>>,
+    pub(crate) get_num_threads: Option<Py<PyAny>>,
     /// Keyword names, made once here rather than by `intern!`, whose cell is filled with the
     /// GIL let go: a Python thread forking then would leave it half filled in its child.
-    key_dtype: Py<PyString>,
-    key_device: Py<PyString>,
+    pub(crate) key_dtype: Py<PyString>,
+    pub(crate) key_device: Py<PyString>,
 }
 
 /// What is read of a tensor, and the methods called on one.
-struct TensorAccess {
-    dtype: Getter,
-    layout: Getter,
-    is_nested: Getter,
-    requires_grad: Getter,
-    is_leaf: Getter,
-    shape: Getter,
-    is_meta: Getter,
-    is_cpu: Getter,
-    device: Getter,
-    is_neg: Method,
-    stride: Method,
-    storage_offset: Method,
-    untyped_storage: Method,
-    set_: Method,
-    view: Method,
-    requires_grad_: Method,
+pub(crate) struct TensorAccess {
+    pub(crate) dtype: Getter,
+    pub(crate) layout: Getter,
+    pub(crate) is_nested: Getter,
+    pub(crate) requires_grad: Getter,
+    pub(crate) is_leaf: Getter,
+    pub(crate) shape: Getter,
+    pub(crate) is_meta: Getter,
+    pub(crate) is_cpu: Getter,
+    pub(crate) device: Getter,
+    pub(crate) is_neg: Method,
+    pub(crate) stride: Method,
+    pub(crate) storage_offset: Method,
+    pub(crate) untyped_storage: Method,
+    pub(crate) set_: Method,
+    pub(crate) view: Method,
+    pub(crate) requires_grad_: Method,
 }
 
 impl TensorAccess {
@@ -599,8 +599,9 @@ fn usizes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 }
 
 /// Whether `obj` is a torch tensor that [`to_tensor`] sends as a handle: one of a kind that
-/// does ([`handle_kind`]), on the meta device, or on the CPU with its storage in a block or
-/// to be moved into one ([`moves_into_block`]; a tensor elsewhere is an error at the top of
+/// does ([`handle_kind`]), on the meta device, on a CUDA device over one of the core's
+/// allocations ([`crate::cuda`]), or on the CPU with its storage in a block or to be moved
+/// into one ([`moves_into_block`]; a tensor elsewhere is an error at the top of
 /// a value, and left to torch's pickling inside an object).
 pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let Some((dtype, _)) = handle_kind(py, api, obj)? else { return Ok(false) };
@@ -608,7 +609,7 @@ pub(crate) fn is_handle(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
         return Ok(true);
     }
     if !api.t.is_cpu.get(obj)?.extract::<bool>()? {
-        return Ok(false);
+        return crate::cuda::is_ours(api, obj);
     }
     let storage = api.t.untyped_storage.call0(obj)?;
     let (found, nbytes) = block_of(py, api, &storage)?;
@@ -713,14 +714,19 @@ pub(crate) fn to_tensor(py: Python<'_>, api: &Api, obj: &Bound<'_, PyAny>) -> Py
     }
     let shape = usizes(&a.shape.get(obj)?)?;
     let mut t = if !a.is_cpu.get(obj)?.extract::<bool>()? {
-        if !a.is_meta.get(obj)?.extract::<bool>()? {
-            let device = a.device.get(obj)?;
-            return Err(PyRuntimeError::new_err(format!(
-                "a tensor on {device} cannot be sent by tensorshare's Python package yet; move it to the CPU first"
-            )));
-        }
         let strides = usizes(&a.stride.call0(obj)?)?;
-        Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
+        if a.is_meta.get(obj)?.extract::<bool>()? {
+            Tensor::try_meta_strided(&shape, &strides, dtype).map_err(to_py)?
+        } else {
+            // A CUDA tensor over one of the core's allocations is a handle; one of torch's
+            // own allocator is pickled with torch's reduction, its CUDA IPC handle
+            // (`_reduction._cuda_reduction`); one on any other device is refused there.
+            let offset: usize = a.storage_offset.call0(obj)?.extract()?;
+            match crate::cuda::to_tensor(py, api, obj, dtype, &shape, &strides, offset)? {
+                Some(t) => t,
+                None => return Ok(None),
+            }
+        }
     } else {
         let strides = usizes(&a.stride.call0(obj)?)?;
         let offset: usize = a.storage_offset.call0(obj)?.extract()?;
@@ -1180,11 +1186,7 @@ pub(crate) fn from_tensor(py: Python<'_>, api: &Api, t: Tensor) -> PyResult<Py<P
             kwargs.set_item(api.key_device.bind(py), "meta")?;
             api.empty_strided.bind(py).call((shape, strides), Some(&kwargs))?
         }
-        Device::Cuda(i) => {
-            return Err(PyRuntimeError::new_err(format!(
-                "a tensor on cuda:{i} reached Python, which takes CPU and meta tensors"
-            )))
-        }
+        Device::Cuda(i) => crate::cuda::from_tensor(py, api, &t, i, dtype)?,
     };
     if t.kind() == TensorKind::Parameter {
         return api.parameter.bind(py).call1((out, t.requires_grad()))?.into_py_any(py);

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import tensorshare
-from conftest import LONG, import_torch, reap
+from conftest import LONG, reap
 
 
 def _add(v, a):
@@ -121,15 +121,3 @@ def test_a_process_argument_that_cannot_be_pickled_names_itself(method):
     with pytest.raises(TypeError, match=r"cannot send the target and arguments of a process .*lock"):
         p.start()
     assert p.pid is None
-
-
-def test_a_cuda_tensor_as_a_process_argument_is_refused_not_copied():
-    # (Where a GPU is present.) Pickled, its bytes were copied, and the child's writes lost.
-    torch = import_torch()
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    import tensorshare.multiprocessing as mp
-
-    p = mp.get_context("spawn").Process(target=_nothing, args=(torch.zeros(2, device="cuda"),))
-    with pytest.raises(TypeError, match="cannot be sent by tensorshare's Python package yet"):
-        p.start()

@@ -41,6 +41,7 @@ __all__ = [
     "Block",
     "InvalidMessage",
     "TensorshareError",
+    "cuda_empty_cache",
     "empty_shared",
     "empty_shared_array",
     "share_memory_",
@@ -71,8 +72,16 @@ def _refuse_negative(shape):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
 
 
-def empty_shared(shape, dtype=None):
-    """An uninitialised torch tensor of ``shape`` in shared memory (default dtype: torch's)."""
+def empty_shared(shape, dtype=None, device=None):
+    """An uninitialised torch tensor of ``shape`` in shared memory (default dtype: torch's).
+
+    ``device``: ``None`` or ``"cpu"`` for host memory; a CUDA device (``"cuda"``,
+    ``"cuda:1"``, a ``torch.device``) for memory on that GPU, one allocation of tensorshare's
+    own per tensor, which travels as a tensorshare handle rather than torch's CUDA IPC: a
+    process that received it may send it on (torch refuses), a Rust process may send or
+    receive it, and a consumer killed while holding it gives it back at once. Its creator
+    must outlive the processes that use it, as with torch's CUDA tensors. Needs the CUDA
+    driver (torch's own CUDA tensors need none of this)."""
     # The common case first, with nothing imported on its way: a tensor sender makes one
     # per message.
     if dtype is None:
@@ -81,6 +90,11 @@ def empty_shared(shape, dtype=None):
         dtype = torch.get_default_dtype()
     if type(shape) is not tuple:
         shape = _shape(shape)
+    if device is not None:
+        index = _cuda_index(device)
+        if index is not None:
+            _refuse_negative(shape)
+            return _native.empty_shared_cuda(shape, dtype, index)
     try:
         t = _native.empty_shared_tensor(shape, dtype)
     except OverflowError:
@@ -100,6 +114,27 @@ def empty_shared(shape, dtype=None):
     t = torch.empty(0, dtype=dtype)
     t.set_(torch_storage(_new_block(numel * item)), 0, shape)
     return t
+
+
+def cuda_empty_cache():
+    """Gives the CUDA memory of tensorshare's tensors (``empty_shared(..., device="cuda")``)
+    that this process made and that nothing holds any more back to the driver, and returns
+    how many bytes it gave. A consumer that exited or was killed while holding such a tensor
+    has let go of it; this process keeps freed allocations for its next CUDA tensors
+    otherwise. (torch's own CUDA memory is ``torch.cuda.empty_cache()``'s.)"""
+    return _native.cuda_empty_cache()
+
+
+def _cuda_index(device):
+    """The index of CUDA device ``device``, None for the CPU; an error for any other."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"tensorshare makes tensors on the CPU and on CUDA devices, not on {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def empty_shared_array(shape, dtype="float32"):

@@ -137,7 +137,7 @@ def patch_torch(torch):
     torch_share_memory_ = cls.share_memory_
 
     def is_shared(self):
-        return _is_ours(self) or torch_is_shared(self)
+        return (self.device.type == "cpu" and _is_ours(self)) or torch_is_shared(self)
 
     def share_memory_(self, *args, **kwargs):
         on_cpu = self.device.type == "cpu" and self.nbytes() != 0
@@ -357,34 +357,55 @@ def torch_shares(torch, untyped):
 
 
 def _refuse_device(device):
-    """An error for a tensor or storage on a device tensorshare does not send yet (anything but
-    the CPU and meta), as the conversion of values gives it: pickled, its bytes would be
-    copied, and the receiver's writes would be lost with no error."""
-    if device.type not in ("cpu", "meta"):
+    """An error for a tensor or storage on a device tensorshare does not send (anything but
+    the CPU, meta and CUDA), as the conversion of values gives it: pickled, its bytes would
+    be copied, and the receiver's writes would be lost with no error."""
+    if device.type not in ("cpu", "meta", "cuda"):
         raise RuntimeError(
-            f"a tensor on {device} cannot be sent by tensorshare's Python package yet; "
-            "move it to the CPU first"
+            f"a tensor on {device} cannot be sent by tensorshare's Python package; move it to the CPU first"
         )
+
+
+def _cuda_reduction(obj, kind):
+    """torch's own reduction of a CUDA tensor or storage: a tensor travels as torch's CUDA
+    IPC handle of its allocation (``reduce_tensor``: the receiver maps the sender's memory,
+    so its writes reach the sender, and the sender keeps the memory until every receiver has
+    let go, as in torch.multiprocessing); a storage alone is refused with torch's own error
+    ("Cannot pickle CUDA storage; try pickling a CUDA tensor instead"). torch's rules come
+    with it: the sender must stay alive while receivers use the memory, and a forked child
+    cannot use CUDA once its parent has."""
+    import torch.multiprocessing.reductions as reductions
+
+    return getattr(reductions, kind)(obj)
 
 
 def torch_reduction(obj):
     """torch's own reduction (``torch.multiprocessing.reductions``) of ``obj`` when it is a
-    CPU tensor or storage in no block that torch shares (``torch_shares``): shared as
-    torch.multiprocessing shares it, in place. A storage already in torch's shared memory is
-    reduced under the strategy it was shared with (the other would copy it elsewhere); one
-    not shared yet under the sharing strategy set here. None for anything else, which is
-    pickled as before (a storage in a block travels as a handle)."""
+    CUDA tensor or storage (``_cuda_reduction``), or a CPU tensor or storage in no block
+    that torch shares (``torch_shares``): shared as torch.multiprocessing shares it, in
+    place. A storage already in torch's shared memory is reduced under the strategy it was
+    shared with (the other would copy it elsewhere); one not shared yet under the sharing
+    strategy set here. None for anything else, which is pickled as before (a storage in a
+    block travels as a handle)."""
     torch = _torch()
     if torch is None:
         return None
     if isinstance(obj, (torch.Tensor, torch.UntypedStorage)):
-        _refuse_device(obj.device)
+        device = obj.device
     elif isinstance(obj, torch.TypedStorage):
-        _refuse_device(obj._untyped_storage.device)  # (TypedStorage's own getters warn)
+        device = obj._untyped_storage.device  # (TypedStorage's own getters warn)
+    else:
+        return None
+    _refuse_device(device)
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
-        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_neg() or obj.is_conj():
+        if obj.layout != torch.strided or obj.is_neg() or obj.is_conj():
             # torch's reduce_tensor keeps neither bit: torch's __reduce_ex__ does, and its
-            # storage is reduced here.
+            # storage is reduced here. (A sparse tensor's __reduce_ex__ gives its parts,
+            # each reduced here.)
+            return None
+        if device.type == "cuda":
+            return _cuda_reduction(obj, "reduce_tensor")
+        if device.type != "cpu":
             return None
         untyped = obj.untyped_storage()
         kind = "reduce_tensor"
@@ -396,6 +417,8 @@ def torch_reduction(obj):
         kind = "reduce_typed_storage" if type(obj) is torch.TypedStorage else "reduce_typed_storage_child"
     else:
         return None
+    if device.type == "cuda":
+        return _cuda_reduction(obj, kind)
     if untyped.device.type != "cpu" or _is_ours(untyped) or not torch_shares(torch, untyped):
         return None
     import torch.multiprocessing as torch_mp
@@ -590,11 +613,19 @@ def rebuild(array, block, dtype, shape, strides, offset, requires_grad, paramete
 
 def _consulted(cls):
     """Whether multiprocessing's reducer for class ``cls`` is used (see
-    ``_MultiprocessingReducers``): not for torch's classes (its module ``torch`` or under it)
-    nor ``functools.partial``."""
+    ``_MultiprocessingReducers``): not for torch's tensors and storages (this pickler sends
+    them itself), nor ``functools.partial``. torch's others are (its CUDA ``Event``, by
+    interprocess handle)."""
+    if cls is functools.partial:
+        return False
     module = getattr(cls, "__module__", None)
-    return cls is not functools.partial and not (
-        isinstance(module, str) and module.partition(".")[0] == "torch"
+    if not (isinstance(module, str) and module.partition(".")[0] == "torch"):
+        return True
+    torch = _torch()
+    return (
+        torch is not None
+        and isinstance(cls, type)
+        and not issubclass(cls, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage))
     )
 
 
@@ -602,8 +633,8 @@ class _MultiprocessingReducers(collections.abc.Mapping):
     """The reducers registered with multiprocessing's pickler (``ForkingPickler.register``:
     its own for a ``Connection``, a socket, the heap arenas of ``Value`` and ``Array`` and the
     ctypes they hold, methods and descriptors; those of other libraries), read when asked, so
-    that later registrations count. Not torch's (this pickler sends tensors and storages
-    itself), nor multiprocessing's for ``functools.partial``, which drops the partial's
+    that later registrations count. Not torch's for tensors and storages (this pickler sends
+    them itself), nor multiprocessing's for ``functools.partial``, which drops the partial's
     attributes where its own reduction keeps them. Without them such objects were pickled as
     plain objects: a Connection arrived holding its sender's descriptor number, and wrote to
     whatever file had that number in the receiver."""
