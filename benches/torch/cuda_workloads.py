@@ -1,8 +1,13 @@
 """CUDA tensors through torch.multiprocessing's queues, one JSON line per workload, with the
 keys `tensorshare bench --json` prints for its `cuda_pingpong` and `cuda_first_use`:
 
-    python cuda_workloads.py cuda_pingpong SIZE ROUNDS fresh|same
-    python cuda_workloads.py cuda_first_use SIZE ROUNDS fresh|same
+    python cuda_workloads.py [--tensorshare] cuda_pingpong SIZE ROUNDS fresh|same
+    python cuda_workloads.py [--tensorshare] cuda_first_use SIZE ROUNDS fresh|same
+
+`--tensorshare` runs the same code with `import tensorshare.multiprocessing as mp` (the Python
+package, which sends torch's CUDA tensors with torch's own reduction over its own queues);
+`--tensorshare-alloc` also makes the tensors with `tensorshare.empty_shared(..., device="cuda")`,
+which travel as tensorshare handles (and can be sent back, which torch refuses).
 
 cuda_pingpong: the parent puts a CUDA tensor of SIZE bytes, a child gets it and puts it back,
 the parent gets it; half the round trip. cuda_first_use: the parent puts a tensor with the
@@ -25,21 +30,24 @@ import torch
 import torch.multiprocessing as mp
 
 WARMUP = 50
+ALLOC = None  # tensorshare.empty_shared under --tensorshare-alloc
 
 
-def echo(qin, qout, n):
+def echo(qin, qout, n, torchs_queue=True):
     for _ in range(n):
         t = qin.get()
         if t is None:  # the parent stopped early
             return
         try:
-            # A queue pickles in its feeder thread, where an error is only printed: try first,
-            # so that a refusal reaches the parent instead of leaving it waiting.
-            ForkingPickler.dumps(t)
+            if torchs_queue:
+                # torch's queue pickles in its feeder thread, where an error is only printed:
+                # try first, so that a refusal reaches the parent instead of leaving it
+                # waiting. (tensorshare's put raises in the caller.)
+                ForkingPickler.dumps(t)
+            qout.put(t)
         except Exception as e:
             qout.put(f"{type(e).__name__}: {e}")
             break
-        qout.put(t)
         del t
     qin.get()  # stay alive until the parent is done with what it got back
 
@@ -60,9 +68,13 @@ def first_use(qin, qout, n):
 
 
 def tensors(n, mode):
-    same = torch.ones(n, device="cuda")
+    if ALLOC is None:
+        same = torch.ones(n, device="cuda")
+        torch.cuda.synchronize()
+        return lambda: same if mode == "same" else torch.full((n,), 1.0, device="cuda")
+    same = ALLOC((n,), device="cuda").fill_(1.0)
     torch.cuda.synchronize()
-    return lambda: same if mode == "same" else torch.full((n,), 1.0, device="cuda")
+    return lambda: same if mode == "same" else ALLOC((n,), device="cuda").fill_(1.0)
 
 
 @contextlib.contextmanager
@@ -71,7 +83,10 @@ def child(target, rounds, what):
     (None), joined (killed if it hangs) and its exit code checked."""
     ctx = mp.get_context("spawn")
     qin, qout = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=target, args=(qin, qout, rounds + WARMUP))
+    args = (qin, qout, rounds + WARMUP)
+    if target is echo:
+        args += (mp.__name__ == "torch.multiprocessing",)
+    p = ctx.Process(target=target, args=args)
     p.start()
     try:
         yield qin, qout, p
@@ -129,10 +144,21 @@ def first_use_workload(size, rounds, mode):
 
 
 def main():
-    name, args = sys.argv[1], sys.argv[2:]
+    global mp, ALLOC
+    argv = sys.argv[1:]
+    system = "torch"
+    if argv[0] in ("--tensorshare", "--tensorshare-alloc"):
+        import tensorshare
+        import tensorshare.multiprocessing as mp
+
+        system = "tensorshare.multiprocessing"
+        if argv[0] == "--tensorshare-alloc":
+            ALLOC, system = tensorshare.empty_shared, system + " (tensorshare.empty_shared)"
+        argv = argv[1:]
+    name, args = argv[0], argv[1:]
     size, rounds, mode = int(args[0]), int(args[1]), args[2]
     run = {"cuda_pingpong": pingpong, "cuda_first_use": first_use_workload}[name]
-    line = {"system": "torch", "workload": name, "args": args, "strategy": mp.get_sharing_strategy()}
+    line = {"system": system, "workload": name, "args": args, "strategy": mp.get_sharing_strategy()}
     try:
         line.update(run(size, rounds, mode))
     except Exception as e:  # a workload torch refuses: say so instead of figures
