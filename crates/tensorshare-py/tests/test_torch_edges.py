@@ -1188,12 +1188,18 @@ def test_a_failed_resize_of_a_tensor_over_a_block_keeps_its_shape():
     # kept: a write through the tensor then reached past its block, into the next slot of
     # the arena (another tensor's, maybe another process's). No block can grow.
     import tensorshare
+    from tensorshare import _reduction
 
     torch = import_torch()
     made = tensorshare.empty_shared((4,), dtype=torch.float32)
-    moved = torch.zeros(2, 2).share_memory_()
-    received = tensorshare.roundtrip(torch.zeros(6))[1:5]
-    for t in (made, moved, received):
+    received = tensorshare.roundtrip(tensorshare.empty_shared(6).zero_())[1:5]
+    moves = _reduction.can_move_in_place(torch)
+    # A torch before 2.12 keeps its own share_memory_(), into torch's shared memory, whose
+    # resize torch 2.11 itself ends with SIGSEGV (seen without tensorshare imported).
+    moved = torch.zeros(2, 2).share_memory_() if moves else None
+    for t in (made, received, moved):
+        if t is None:
+            continue
         shape, stride, offset = t.shape, t.stride(), t.storage_offset()
         t.fill_(3)
         with pytest.raises(RuntimeError, match="not resizable"):
@@ -1205,5 +1211,6 @@ def test_a_failed_resize_of_a_tensor_over_a_block_keeps_its_shape():
     # Resizes that need no more memory still work.
     made.resize_(2)
     assert made.shape == (2,)
-    moved.resize_as_(torch.empty(4))
-    assert moved.shape == (4,) and moved.eq(3).all()
+    if moves:
+        moved.resize_as_(torch.empty(4))
+        assert moved.shape == (4,) and moved.eq(3).all()
