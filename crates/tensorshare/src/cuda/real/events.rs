@@ -9,7 +9,7 @@ use crate::Result;
 
 impl Real {
     pub(crate) fn event_create(&self, dev: u32) -> Result<(u64, IpcBytes)> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
             | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -29,7 +29,7 @@ impl Real {
     /// # Safety
     /// `bytes` must be a handle cuIpcGetEventHandle gave for an event of `dev`, unchanged.
     pub(crate) unsafe fn event_open(&self, dev: u32, bytes: &IpcBytes) -> Result<u64> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         let h = sys::CUipcEventHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: writes one event. The driver does not check what the handle's bytes say (a
@@ -52,13 +52,13 @@ impl Real {
     }
 
     pub(crate) fn event_synchronize(&self, dev: u32, ev: u64) -> Result<()> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         // SAFETY: as in event_record.
         check(unsafe { sys::cuEventSynchronize(ev as sys::CUevent) }, "cuEventSynchronize")
     }
 
     pub(crate) fn event_query(&self, dev: u32, ev: u64) -> Result<bool> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         // SAFETY: as in event_record.
         let r = unsafe { sys::cuEventQuery(ev as sys::CUevent) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -68,7 +68,7 @@ impl Real {
     }
 
     pub(crate) fn event_destroy(&self, dev: u32, ev: u64) {
-        if self.state(dev).is_ok() {
+        if let Ok(_current) = self.state(dev) {
             // SAFETY: ev is ours and is not used after this; pending records complete first
             // (the driver defers the release).
             unsafe { sys::cuEventDestroy_v2(ev as sys::CUevent) };

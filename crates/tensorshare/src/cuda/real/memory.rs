@@ -40,7 +40,7 @@ impl Real {
     }
 
     pub(crate) fn export(&self, dev: u32, mem: &Mem) -> Result<Export> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         match mem {
             Mem::Vmm { handle, .. } => {
                 let mut fd: c_int = -1;
@@ -87,7 +87,7 @@ impl Real {
 
     pub(crate) fn import_fd(&self, dev: u32, fd: &OwnedFd, size: usize) -> Result<Mapped> {
         use std::os::fd::AsRawFd;
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: for the POSIX-fd type the "OS handle" argument is the descriptor number
         // itself, cast to a pointer; the driver does not take ownership of it.
@@ -112,7 +112,7 @@ impl Real {
                 crate::cuda::DRIVER_ENV
             )));
         }
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         let h = sys::CUipcMemHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: h is 64 bytes and the driver writes one pointer. It does not check what the
@@ -151,12 +151,14 @@ impl Real {
     /// Gives back this process's claim; errors are ignored (this runs in drops, and the
     /// driver frees everything at exit anyway).
     pub(crate) fn release(&self, dev: u32, mem: Mem) {
-        let Ok(st) = self.state(dev) else { return };
+        let Ok(_current) = self.state(dev) else { return };
         // SAFETY: each arm releases what the matching allocation or import made, once: `mem`
-        // is consumed. Pending work on our stream is finished first, so nothing queued by
-        // this process still touches the memory.
+        // is consumed. Pending work on every stream of the context is finished first (not
+        // only on ours: torch's kernels, or another library's, may still read a tensor that
+        // was let go; the driver's unmap does not wait for them), so nothing this process
+        // queued still touches the memory.
         unsafe {
-            let _ = sys::cuStreamSynchronize(st.stream);
+            let _ = sys::cuCtxSynchronize();
             match mem {
                 Mem::Vmm { handle, ptr, size } => {
                     let _ = sys::cuMemUnmap(ptr, size);
@@ -203,7 +205,7 @@ impl Real {
     /// `ptr..ptr + len` must be mapped in this process until [`Real::host_unregister`].
     pub(crate) unsafe fn host_register(&self, ptr: u64, len: usize) -> Result<()> {
         // A context must be current; device 0's will do, the registration is portable.
-        self.state(0)?;
+        let _current = self.state(0)?;
         // SAFETY: the range is mapped (the caller's contract) and stays so until it is
         // unregistered; the driver only locks its pages and records it.
         check(
@@ -214,7 +216,7 @@ impl Real {
 
     /// Undoes [`Real::host_register`]; errors are ignored (this runs in drops).
     pub(crate) fn host_unregister(&self, ptr: u64) {
-        if self.state(0).is_ok() {
+        if let Ok(_current) = self.state(0) {
             // SAFETY: ptr is the start of a range registered by host_register and not yet
             // unregistered (a registration is dropped once); copies from it are synchronous,
             // so none is still reading it.

@@ -11,6 +11,7 @@
 //! their export and import, copies. `events`: interprocess events.
 
 use std::ffi::{c_int, CStr};
+use std::ops::Deref;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
@@ -95,27 +96,37 @@ impl Real {
         self.devices.len() as u32
     }
 
-    fn state(&self, dev: u32) -> Result<&DeviceState> {
+    /// Device `dev`'s state, with its primary context current in this thread until the
+    /// returned guard goes (then the context that was current before is current again).
+    fn state(&self, dev: u32) -> Result<Current<'_>> {
         let cell = self.devices.get(dev as usize).ok_or_else(|| {
             Error::Device(format!(
                 "cuda:{dev} does not exist: this machine has {} CUDA devices",
                 self.devices.len()
             ))
         })?;
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context handle (null when none is current in this thread).
+        check(unsafe { sys::cuCtxGetCurrent(&mut prev) }, "cuCtxGetCurrent")?;
+        // (Opening the device makes its context current: the guard undoes that too, also
+        // when opening fails.)
+        let mut current = Current { st: None, prev };
         let st = cell.get_or_init(|| open_device(dev, self.legacy_ipc).map_err(|e| e.to_string()));
         let st = st.as_ref().map_err(|e| Error::Device(e.clone()))?;
         // SAFETY: the context was retained in `open_device` and is never released.
         check(unsafe { sys::cuCtxSetCurrent(st.ctx) }, "cuCtxSetCurrent")?;
-        Ok(st)
+        current.st = Some(st);
+        Ok(current)
     }
 
     pub(crate) fn stream(&self, dev: u32) -> Result<u64> {
-        Ok(self.state(dev)?.stream as u64)
+        let st = self.state(dev)?;
+        Ok(st.stream as u64)
     }
 
     /// The device's free and total memory in bytes, device-wide.
     pub(crate) fn mem_get_info(&self, dev: u32) -> Result<(u64, u64)> {
-        self.state(dev)?;
+        let _current = self.state(dev)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: writes two usizes, for the device of the current context (set by `state`).
         check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
@@ -126,6 +137,39 @@ impl Real {
         let st = self.state(dev)?;
         // SAFETY: the stream belongs to this process's context.
         check(unsafe { sys::cuStreamSynchronize(st.stream) }, "cuStreamSynchronize")
+    }
+}
+
+/// A device's state while its context is current in this thread (see [`Real::state`]). torch
+/// and every CUDA runtime program take the calling thread's current context for their current
+/// device (`cudaGetDevice`), so a call into tensorshare leaves it as it found it: without
+/// that, making or receiving a tensor on `cuda:1` moved a program's later work to `cuda:1`.
+#[must_use = "the device's context is current only while this guard lives"]
+struct Current<'a> {
+    /// `None` only while the guard is being made (it then restores `prev` alone).
+    st: Option<&'a DeviceState>,
+    /// The context current in this thread before (null: none).
+    prev: sys::CUcontext,
+}
+
+impl Deref for Current<'_> {
+    type Target = DeviceState;
+
+    fn deref(&self) -> &DeviceState {
+        self.st.expect("a guard handed out holds its device's state")
+    }
+}
+
+impl Drop for Current<'_> {
+    fn drop(&mut self) {
+        if self.st.is_some_and(|st| st.ctx == self.prev) {
+            return;
+        }
+        // SAFETY: `prev` is what the driver reported as current in this thread when the guard
+        // was made (a context of this process, or null for none); cuCtxSetCurrent takes
+        // either, and answers an error (ignored: this runs in a drop) for a context its owner
+        // has destroyed since.
+        let _ = unsafe { sys::cuCtxSetCurrent(self.prev) };
     }
 }
 
