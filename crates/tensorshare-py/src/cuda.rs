@@ -13,7 +13,10 @@
 //!
 //! The table below finds an allocation by its device address. Its entry lives as long as the
 //! torch storage over the allocation: the export that torch holds removes it when torch
-//! frees the storage ([`forget`]).
+//! frees the storage ([`forget`]). The memory itself is unmapped (in a receiver) or reused
+//! (in its creator) only after every stream of the device's context is done with it: torch
+//! frees a storage while its kernels may still read it, and the core synchronises the context
+//! before it releases an allocation.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,26 +46,53 @@ static TABLE: Mutex<BTreeMap<usize, Entry>> = Mutex::new(BTreeMap::new());
 /// The next export's id.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// Runs `f` on the table under its lock. `f` runs no Python code and takes no other lock
-/// (the deleter of an export takes this one from any thread, holding the GIL or not), and
+/// Runs `f` on the table under its lock, which only a thread holding the GIL takes (the
+/// export's deleter takes the GIL first, see [`forget`]): so a Python thread that forks
+/// (holding the GIL) never leaves it locked in its child. `f` runs no Python code and lets
+/// nothing go that could run some (a finaliser could use the table again, in this thread);
 /// what it takes out of the table is returned, to be let go after the lock.
 fn with_table<R>(f: impl FnOnce(&mut BTreeMap<usize, Entry>) -> R) -> R {
     f(&mut TABLE.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// Removes entry `id` at device address `addr`, called by its export when torch frees the
-/// storage over the allocation, from any thread, holding the GIL or not.
+/// storage over the allocation, from any thread, holding the GIL or not: it takes the GIL
+/// for the table (see [`with_table`]) and lets it go before the entry's allocation goes,
+/// whose release may wait for the device.
 pub(crate) fn forget(addr: usize, id: u64) {
-    let gone = with_table(|t| match t.get(&addr) {
-        Some(e) if e.id == id => t.remove(&addr),
-        _ => None,
-    });
-    if let Some(Entry { storage, torch, .. }) = gone {
-        // SAFETY: a strong reference to the weak reference object, now owned here alone.
-        unsafe { crate::dlpack::release(torch.into_ptr()) };
-        drop(storage);
-    }
+    // SAFETY: `Py_IsInitialized` may be called from any thread at any time. With the
+    // interpreter there, `PyGILState_Ensure` takes the GIL (or finds this thread holding it)
+    // and `PyGILState_Release` gives it back as it was; the weak reference is let go with
+    // the GIL held. Once the interpreter is gone the process is ending: the entry is left.
+    let gone = unsafe {
+        if pyo3::ffi::Py_IsInitialized() == 0 {
+            return;
+        }
+        let gil = pyo3::ffi::PyGILState_Ensure();
+        let gone = with_table(|t| match t.get(&addr) {
+            Some(e) if e.id == id => t.remove(&addr),
+            _ => None,
+        });
+        let storage = gone.map(|Entry { storage, torch, .. }| {
+            pyo3::ffi::Py_DecRef(torch.into_ptr());
+            storage
+        });
+        pyo3::ffi::PyGILState_Release(gil);
+        storage
+    };
+    drop(gone);
 }
+
+/// Whether the core's CUDA code runs on its simulated device, whose "device" memory is host
+/// memory: torch would take its addresses for device ones.
+fn simulated() -> bool {
+    tensorshare::cuda::driver_name().is_ok_and(|name| name == "simulated")
+}
+
+/// Why the simulated device's tensors do not reach torch.
+const SIMULATED: &str =
+    "tensorshare's CUDA driver is the simulated one (TENSORSHARE_CUDA_DRIVER=simulated), whose \
+    memory is the host's: torch would take it for device memory, so its tensors do not become torch tensors";
 
 /// The live torch storage over `storage`'s allocation, if torch has one.
 fn torch_storage_of<'py>(
@@ -99,15 +129,30 @@ fn torch_storage<'py>(
             "this torch has no torch._C._from_dlpack, through which tensorshare's CUDA tensors reach it",
         ));
     };
+    if simulated() {
+        return Err(PyValueError::new_err(SIMULATED));
+    }
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let flat = crate::dlpack::flat_device(py, from_dlpack.bind(py), storage, index, id)?;
     let s = api.t.untyped_storage.call0(&flat)?;
     let entry = Entry { storage: storage.clone(), torch: PyWeakrefReference::new(&s)?.unbind(), id };
-    // An entry of a torch storage that died with its export not yet run (torch frees a
-    // storage's memory as the storage goes, so only for a moment) is replaced; its export
-    // finds its id gone and removes nothing.
-    let replaced = with_table(|t| t.insert(storage.data_ptr(), entry));
-    drop(replaced);
+    // Making the tensor ran Python code (torch's), during which another thread may have made
+    // and recorded a torch storage over the same allocation: that one stays (tensors over it
+    // exist), and this one is used unrecorded (its export finds its id absent and removes
+    // nothing). An entry whose torch storage died, its export not yet run, is replaced.
+    let addr = storage.data_ptr();
+    let (theirs, gone) = with_table(|t| match t.get(&addr).and_then(|e| e.torch.bind(py).upgrade()) {
+        Some(theirs) => (Some(theirs), Some(entry)),
+        None => (None, t.insert(addr, entry)),
+    });
+    drop(gone);
+    if let Some(theirs) = theirs {
+        let ptr: usize = api.storage_data_ptr.call0(&theirs)?.extract()?;
+        let nbytes: usize = api.storage_nbytes.call0(&theirs)?.extract()?;
+        if ptr == addr && nbytes == storage.len() {
+            return Ok(theirs);
+        }
+    }
     Ok(s)
 }
 
@@ -161,6 +206,17 @@ pub(crate) fn to_tensor(
     let device = api.t.device.get(obj)?;
     py.import("torch.cuda")?.call_method1("current_stream", (device,))?.call_method0("synchronize")?;
     Tensor::from_storage(storage, dtype, shape, strides, offset).map(Some).map_err(to_py)
+}
+
+/// Whether the `nbytes` at device address `ptr` lie in one of the core's allocations that
+/// torch has a storage over (a view of one that no handle can say: see `_cuda_reduction`).
+pub(crate) fn covers(ptr: usize, nbytes: usize) -> bool {
+    with_table(|t| {
+        t.range(..=ptr).next_back().is_some_and(|(&start, e)| {
+            let end = ptr.checked_add(nbytes);
+            end.zip(start.checked_add(e.storage.len())).is_some_and(|(end, limit)| end <= limit)
+        })
+    })
 }
 
 /// Whether torch CUDA tensor `obj` is over one of the core's allocations (and so a handle).

@@ -194,7 +194,7 @@ fn drop_owner(owner: Owner) {
 ///
 /// # Safety
 /// `obj` must be a strong reference the caller owns, and gives up here.
-pub(crate) unsafe fn release(obj: *mut ffi::PyObject) {
+unsafe fn release(obj: *mut ffi::PyObject) {
     // SAFETY: `Py_IsInitialized` may be called from any thread at any time; the reference is
     // let go with the GIL held, taken here if need be, and given back as it was.
     unsafe {

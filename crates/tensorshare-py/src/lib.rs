@@ -222,6 +222,13 @@ fn empty_shared_cuda<'py>(
     cuda::empty(py, api, shape, dtype, index)
 }
 
+/// Whether the `nbytes` at device address `ptr` lie in a CUDA allocation of tensorshare's
+/// that torch has a storage over.
+#[pyfunction]
+fn in_cuda_allocation(ptr: usize, nbytes: usize) -> bool {
+    cuda::covers(ptr, nbytes)
+}
+
 /// Gives the CUDA allocations of tensorshare's that this process made and nothing holds any
 /// more (their holders let go, exited or were killed) back to the driver; the bytes given.
 #[pyfunction]
@@ -356,6 +363,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_shared_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(empty_shared_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(in_cuda_allocation, m)?)?;
     m.add_function(wrap_pyfunction!(guard_sigbus, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;

@@ -121,3 +121,19 @@ def test_a_process_argument_that_cannot_be_pickled_names_itself(method):
     with pytest.raises(TypeError, match=r"cannot send the target and arguments of a process .*lock"):
         p.start()
     assert p.pid is None
+
+
+def test_torchs_reducers_are_consulted_for_its_events_not_its_tensors_or_storages():
+    # torch registers reducers with multiprocessing's pickler for its tensor and storage
+    # classes (legacy ones such as torch.FloatTensor too), which tensorshare sends itself,
+    # and for its CUDA Event, which travels by torch's interprocess handle.
+    pytest.importorskip("torch", reason="torch is not installed in this environment")
+    import torch
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers)
+
+    from tensorshare._reduction import _consulted
+
+    assert _consulted(torch.cuda.Event)
+    for cls in (torch.Tensor, torch.nn.Parameter, torch.FloatTensor, torch.UntypedStorage):
+        assert not _consulted(cls), cls
+    assert not _consulted(torch.FloatStorage)

@@ -309,13 +309,21 @@ def test_what_torch_refuses_is_refused_with_its_words(cuda, tmp_path):
     run_case(
         tmp_path,
         """
+        import tensorshare
+
         if __name__ == "__main__":
             q = mp.get_context("{method}").Queue()
             x = torch.ones(4, device="cuda")
+            ours = tensorshare.empty_shared((4,), device="cuda")
             for bad, words in [
                 (x.untyped_storage(), "Cannot pickle CUDA storage"),
                 ({"s": x.untyped_storage()}, "Cannot pickle CUDA storage"),
                 ((x.requires_grad_() * 2,), "Cowardly refusing to serialize non-leaf tensor"),
+                # torch would send these without the bit, and the receiver read other values.
+                (torch.ones(2, dtype=torch.complex64, device="cuda").conj(), "negative or conjugate bit"),
+                # torch's CUDA IPC knows its own memory only ("invalid device pointer").
+                (ours.view(torch.complex64), "over CUDA memory of tensorshare's"),
+                (ours.untyped_storage(), "over CUDA memory of tensorshare's"),
             ]:
                 try:
                     q.put(bad)
@@ -367,6 +375,7 @@ def test_tensorshare_cuda_tensors_are_sent_on_and_shared_by_three_processes(cuda
             item = q_in.get(timeout=LONG)
             x = item["x"]
             assert x.is_cuda and x.untyped_storage().data_ptr() == item["col"].untyped_storage().data_ptr()
+            torch.cuda._sleep(200_000_000)  # some 0.1 s of GPU time first
             x[0].fill_(5)  # queued on torch's stream: the send waits for it
             q_out.put(item)
             done.wait(LONG)
@@ -532,3 +541,23 @@ def test_cuda_tensors_go_both_ways_between_rust_and_python(cuda, tmp_path):
         """.replace("{exe}", cuda_peer_binary()),
         "spawn",
     )
+
+
+def test_the_simulated_devices_tensors_do_not_reach_torch():
+    # The simulated CUDA device (for tests without a GPU) keeps its memory on the host:
+    # handed to torch as CUDA memory, torch's kernels would run on host addresses.
+    import_torch()
+    out = run_python(
+        """
+        import tensorshare
+        try:
+            tensorshare.empty_shared((4,), device="cuda:0")
+        except Exception as e:
+            print(type(e).__name__, e)
+        else:
+            print("made")
+        """,
+        env={"TENSORSHARE_CUDA_DRIVER": "simulated"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "simulated" in out.stdout and "do not become torch tensors" in out.stdout, out.stdout

@@ -373,9 +373,27 @@ def _cuda_reduction(obj, kind):
     let go, as in torch.multiprocessing); a storage alone is refused with torch's own error
     ("Cannot pickle CUDA storage; try pickling a CUDA tensor instead"). torch's rules come
     with it: the sender must stay alive while receivers use the memory, and a forked child
-    cannot use CUDA once its parent has."""
+    cannot use CUDA once its parent has.
+
+    A tensor or storage over tensorshare's own CUDA memory reaches here only where no handle
+    can say it (a dtype tensorshare lacks, a storage over part of an allocation, a storage
+    alone): torch's CUDA IPC knows its own allocator's memory only, so it is refused here,
+    saying so, rather than by torch's "invalid device pointer"."""
     import torch.multiprocessing.reductions as reductions
 
+    torch = _torch()
+    if isinstance(obj, torch.Tensor):
+        untyped = obj.untyped_storage()
+    else:
+        untyped = getattr(obj, "_untyped_storage", obj)  # (TypedStorage's own getters warn)
+    if _native.in_cuda_allocation(untyped.data_ptr(), untyped.nbytes()):
+        what = f"a {obj.dtype} tensor" if isinstance(obj, torch.Tensor) else f"a {type(obj).__name__}"
+        raise RuntimeError(
+            f"{what} over CUDA memory of tensorshare's (empty_shared(..., device='cuda')) cannot be "
+            "sent as it is: a handle says a tensor of a dtype tensorshare has, over the whole "
+            "allocation's storage; send such a view of it, or a copy (torch's CUDA sharing "
+            "knows only its own allocator's memory)"
+        )
     return getattr(reductions, kind)(obj)
 
 
@@ -398,6 +416,13 @@ def torch_reduction(obj):
         return None
     _refuse_device(device)
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        if device.type == "cuda" and obj.layout == torch.strided and (obj.is_neg() or obj.is_conj()):
+            # torch's CUDA reduction drops the bit (its receiver reads other values), and
+            # torch's __reduce_ex__ pickles the storage apart, which torch refuses for CUDA.
+            raise RuntimeError(
+                "a CUDA tensor with torch's negative or conjugate bit cannot be shared: torch's "
+                "CUDA sharing would lose the bit; send t.resolve_neg() or t.resolve_conj() (a copy)"
+            )
         if obj.layout != torch.strided or obj.is_neg() or obj.is_conj():
             # torch's reduce_tensor keeps neither bit: torch's __reduce_ex__ does, and its
             # storage is reduced here. (A sparse tensor's __reduce_ex__ gives its parts,
@@ -626,6 +651,7 @@ def _consulted(cls):
         torch is not None
         and isinstance(cls, type)
         and not issubclass(cls, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage))
+        and cls not in getattr(torch, "_tensor_classes", ())  # torch.FloatTensor and the like
     )
 
 
