@@ -127,6 +127,17 @@ def test_refusals_and_share_memory_are_torchs_own():
         address = made.untyped_storage().data_ptr()
         ts.share_memory_(made)
         assert made.untyped_storage().data_ptr() == address and in_block(made)
+        # torch's own share_memory_() (a model's share_memory() calls it) leaves a storage in
+        # a block where it is too, whole or over the middle of a shared array (it copied both
+        # into torch's shared memory, and the array no longer saw the tensor's writes).
+        made.share_memory_()
+        assert made.untyped_storage().data_ptr() == address and in_block(made)
+        a = ts.empty_shared_array(8, "float32")
+        a[:] = 0
+        middle = torch.from_numpy(a[2:6])
+        middle.share_memory_()
+        middle.fill_(3)
+        assert a.tolist() == [0, 0, 3, 3, 3, 3, 0, 0], a
 
         # Conjugate and negative views keep their bits (torch's own reduce_tensor keeps
         # neither: they are pickled whole, their storages reduced by torch).

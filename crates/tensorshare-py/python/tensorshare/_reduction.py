@@ -126,8 +126,10 @@ def patch_torch(torch):
     whose name is swept when its processes die, where torch's may be left behind.
 
     A torch that cannot move a storage in place (before 2.12, see ``can_move_in_place``)
-    keeps its own ``share_memory_()``: importing tensorshare must not make a call that works
-    in torch fail."""
+    keeps its own ``share_memory_()`` for storages in no block: importing tensorshare must not
+    make a call that works in torch fail. A storage in a block stays there on any torch
+    (torch's own copied it into torch's shared memory, and a shared array it was made over no
+    longer saw its writes)."""
     if _torch_strategy_wanted is not None:
         set_torch_strategy(_torch_strategy_wanted)
     cls = torch.UntypedStorage
@@ -143,7 +145,8 @@ def patch_torch(torch):
         on_cpu = self.device.type == "cpu" and self.nbytes() != 0
         if on_cpu and _is_ours(self):
             return self
-        if not on_cpu or torch_is_shared(self) or _torchs_file_system_alone():
+        moves = can_move_in_place(torch)
+        if not on_cpu or not moves or torch_is_shared(self) or _torchs_file_system_alone():
             return torch_share_memory_(self, *args, **kwargs)
         move_storage(self)
         return self
@@ -151,8 +154,7 @@ def patch_torch(torch):
     is_shared.__doc__ = torch_is_shared.__doc__
     share_memory_.__doc__ = torch_share_memory_.__doc__
     cls.is_shared = is_shared
-    if can_move_in_place(torch):
-        cls.share_memory_ = share_memory_
+    cls.share_memory_ = share_memory_
     _teach_torch_queues(torch)
     _guard_failed_resizes(torch)
     cls._tensorshare_patched = True
