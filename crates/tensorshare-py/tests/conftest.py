@@ -37,6 +37,18 @@ def strategy(request):
     mp.set_sharing_strategy(old)
 
 
+def needs_moves_into_arenas(why="what only an arena gives a tensor"):
+    """Skips the calling test where this torch cannot move a storage into an arena (before
+    2.12): there a tensor in no arena travels the way torch.multiprocessing sends it, with
+    torch's limits (its sender must outlive the receiving, a descriptor or a file per
+    storage, torch's errors), and the test asks ``why``."""
+    torch = import_torch()
+    from tensorshare import _reduction
+
+    if not _reduction.can_move_in_place(torch):
+        pytest.skip(f"torch {torch.__version__} cannot move a storage into an arena (2.12 can): {why}")
+
+
 def mapped_at(address):
     """The fields of the line of /proc/self/maps whose mapping holds ``address`` (range,
     permissions, offset, device, inode and, if any, path), or None."""

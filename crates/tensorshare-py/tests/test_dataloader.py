@@ -3,7 +3,7 @@ tensorshare arenas by the workers, and lambdas work under spawn."""
 
 import pytest
 
-from conftest import LONG, START_METHODS, import_torch, run_python
+from conftest import LONG, START_METHODS, import_torch, needs_moves_into_arenas, run_python
 
 
 class Squares:
@@ -114,6 +114,7 @@ class Rows:
 
 @pytest.mark.parametrize("method", START_METHODS)
 def test_torchs_own_workers_send_rows_of_a_dataset_in_a_block_as_views_of_it(method):
+    needs_moves_into_arenas("a dataset moved into an arena by share_memory_()")
     # No tensorshare context: torch's own queues, through torch's reductions, which
     # tensorshare teaches to send a storage in a block as a handle. They used to move it
     # into torch's shared memory in each sending worker: a fork worker sent a copy of its

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tensorshare
-from conftest import LONG, import_torch, reap, run_python
+from conftest import LONG, import_torch, needs_moves_into_arenas, reap, run_python
 
 
 def _echo(q_in, q_out):
@@ -306,6 +306,7 @@ def test_shared_constructors_refuse_negative_sizes_as_torch_and_numpy_do():
 
 
 def test_a_receiver_without_torch_is_told_that_torch_is_what_it_lacks():
+    needs_moves_into_arenas("a storage that travels as a handle")
     # A storage (or a tensor of a dtype numpy lacks) needs torch where it arrives; a
     # process without it says so, not that the message lacks what it carries.
     torch = import_torch()
@@ -384,6 +385,7 @@ def test_empty_and_zero_dimensional_arrays():
 
 
 def test_what_travels_is_what_torch_reports_however_torch_tensor_was_patched(monkeypatch):
+    needs_moves_into_arenas("tensors sent as handles, whatever torch.Tensor's Python methods do")
     # A tensor's geometry, dtype and storage are read from torch's C type, not through
     # torch.Tensor, a Python class any program may patch: a lie there changes nothing.
     torch = import_torch()
@@ -563,6 +565,7 @@ def _flat_then_view(q_in, q_out):
 
 
 def test_a_whole_flat_tensor_received_first_keeps_its_storage_for_later_views(ctx):
+    needs_moves_into_arenas("a sender that exits right after its put")
     torch = import_torch()
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_flat_then_view, args=(q_in, q_out))
@@ -720,6 +723,7 @@ def test_a_value_poll_took_for_the_parent_is_not_a_forked_childs():
 
 
 def test_a_sender_may_exit_before_the_receiver_gets(ctx):
+    needs_moves_into_arenas("a sender that exits before the receiving")
     torch = import_torch()
     q = ctx.Queue()
 
@@ -793,6 +797,7 @@ def test_cancel_join_thread_lets_a_child_leave_with_values_unwritten(ctx):
 
 
 def test_a_child_of_os_fork_may_leave_by_os_exit_right_after_its_puts():
+    needs_moves_into_arenas("a sender that exits right after its put")
     # Not started by the package, so it will not write out an outbox on its way out: its
     # puts write directly, waiting for room, and nothing is lost to os._exit. The values
     # are more than the socket holds, and the parent reads only once the queue has some:
@@ -1165,6 +1170,7 @@ def _put(q, value):
 
 
 def test_a_pickled_object_with_tensors_at_the_deepest_level_allowed_arrives():
+    needs_moves_into_arenas("a sender that exits right after its put")
     # A list nested 255 deep around an object pickled with a tensor inside it: the object
     # was a value at level 256, its tensor at level 257, past what every receiver reads
     # ("nested deeper than 256 levels"), though the put had gone through.

@@ -13,7 +13,16 @@ import textwrap
 
 import pytest
 
-from conftest import LONG, STRATEGIES, import_torch, mapped_at, named_segments, reap, run_python
+from conftest import (
+    LONG,
+    STRATEGIES,
+    import_torch,
+    mapped_at,
+    named_segments,
+    needs_moves_into_arenas,
+    reap,
+    run_python,
+)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -276,6 +285,7 @@ def run_in_small_dev_shm(mib, script):
 
 
 def test_a_full_dev_shm_is_a_memory_error_not_a_bus_error():
+    needs_moves_into_arenas("tensorshare's MemoryError where torch raises its own")
     import_torch()
     script = """
 import torch
@@ -304,6 +314,7 @@ print("memfd:", float(q.get().sum()))
 
 
 def test_free_arenas_give_their_room_in_dev_shm_back_when_it_is_needed_or_asked_for():
+    needs_moves_into_arenas("tensors moved into arenas by share_memory_()")
     # In a 16 MiB /dev/shm, under file_system: of 10 MiB of small tensors shared and dropped,
     # this process keeps arenas of at most a 16th of /dev/shm for reuse, letting the rest go
     # as the tensors go. A tensor that does not fit takes the room of free arenas kept (the
@@ -656,6 +667,7 @@ def test_a_message_naming_a_meta_array_is_an_error_not_a_crash():
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_spawned_and_forkserver_children_join_the_parents_cleanup_group(method):
+    needs_moves_into_arenas("a tensor moved into a named arena by share_memory_()")
     # A child started by spawn or the fork server does not have its parent's environment:
     # it is told the parent's cleanup group, and its named segments belong to it (one group,
     # one cleaner for the whole job, not one per child).
@@ -735,6 +747,7 @@ def test_a_fork_child_removes_the_names_of_what_it_made_as_it_leaves():
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_child_whose_main_module_shares_on_import_joins_the_parents_group(method, tmp_path):
+    needs_moves_into_arenas("a tensor moved into a named arena by share_memory_()")
     # A spawn or fork server child imports the main module before it reads its process
     # state: a named segment made at import must already belong to the parent's group.
     import_torch()
@@ -1024,6 +1037,7 @@ def _descriptors_of_file_mapped_at(address):
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_started_process_leaves_no_descriptor_of_its_arguments_in_its_parent(method):
+    needs_moves_into_arenas("tensors moved into arenas by share_memory_()")
     # torch's own Process (multiprocessing's) with arena tensors in its arguments: their
     # descriptors were kept open in the parent as long as the Process object (one per storage
     # and process), though the child has its own once it is started.
@@ -1055,6 +1069,7 @@ def test_a_started_process_leaves_no_descriptor_of_its_arguments_in_its_parent(m
 
 
 def test_under_torchs_file_system_strategy_a_shared_tensor_stays_where_numpy_sees_it():
+    needs_moves_into_arenas("a tensor moved into an arena by tensorshare.share_memory_")
     # A tensor shared before it is viewed from numpy stays in that memory when torch's own
     # queue sends it, under either strategy, as in plain torch, which never moves a shared
     # storage again. A version that let torch move an arena storage at put under
@@ -1087,6 +1102,7 @@ def test_under_torchs_file_system_strategy_a_shared_tensor_stays_where_numpy_see
 
 
 def test_under_torchs_file_system_strategy_torchs_queues_work_as_without_tensorshare():
+    needs_moves_into_arenas("a tensor moved into an arena by tensorshare.share_memory_")
     # torch's file_system strategy lets a sender exit right after its put, and a Pool's
     # worker end after each task. With tensorshare imported, share_memory_() put storages
     # in arenas, which torch's queues send by descriptor, fetched from the sender: the

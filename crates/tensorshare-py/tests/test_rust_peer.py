@@ -11,7 +11,7 @@ import pytest
 
 import tensorshare
 import tensorshare.multiprocessing as mp
-from conftest import import_torch, run_python
+from conftest import import_torch, needs_moves_into_arenas, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -59,6 +59,7 @@ def test_batches_from_rust_are_torch_tensors_in_its_memory(loader):
 
 
 def test_python_values_arrive_in_rust_as_structs_and_writes_come_back(loader):
+    needs_moves_into_arenas("torch tensors a Rust process can read (torch's pickles it cannot)")
     torch = import_torch()
     requests, batches, _ = loader
     matrix = torch.arange(12, dtype=torch.float32).reshape(3, 4)

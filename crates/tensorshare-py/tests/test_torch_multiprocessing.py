@@ -20,7 +20,7 @@ import pytest
 
 import tensorshare
 import tensorshare.multiprocessing as mp
-from conftest import LONG, STRATEGIES, import_torch, mapped_at, method_of, run_python
+from conftest import LONG, STRATEGIES, import_torch, mapped_at, method_of, needs_moves_into_arenas, run_python
 
 torch = import_torch()
 
@@ -283,6 +283,7 @@ def test_pool(method, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES, indirect=True)
 def test_fs(strategy):
+    needs_moves_into_arenas("the arena a storage moves into, not torch's file")
     """test_fs, reinterpreted: there is no file per storage; under file_system a tensor
     sent lives in a named arena of this process in /dev/shm, under file_descriptor in a
     memfd (nothing in /dev/shm)."""
@@ -556,6 +557,8 @@ def test_a_tensor_in_torchs_own_shared_memory_stays_there_when_sent(torch_shared
     indirect=["strategy"],
 )
 def test_many_small_tensors_with_a_low_fd_limit(method, strategy):
+    if strategy == "file_descriptor":
+        needs_moves_into_arenas("storages that cost no descriptor each under file_descriptor")
     """The fd-limit test of torch's suite (test_fd_limit_exceeded, in test_dataloader.py):
     with torch's file_descriptor strategy every storage received costs a descriptor, so a
     process limited to 100 fails on the hundredth; here arenas cost a few in all. The child
