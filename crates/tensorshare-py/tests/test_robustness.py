@@ -27,6 +27,8 @@ from conftest import (
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_ten_thousand_live_tensors_under_a_limit_of_256_descriptors(strategy):
+    if strategy == "file_descriptor":
+        needs_moves_into_arenas("storages that cost no descriptor each under file_descriptor")
     import_torch()
     out = run_python(
         f"""
@@ -138,6 +140,7 @@ def test_sigkill_mid_stream_leaves_nothing_in_dev_shm(victim):
 
 
 def test_a_named_segment_cut_short_by_a_peer_reads_as_zeros_not_a_bus_error():
+    needs_moves_into_arenas("a tensor moved into a named arena")
     # A named file cannot be sealed: here its creator cuts it to half under a receiver that
     # uses the default strategy. Both keep running: the cut pages read as zeros, the rest
     # stays shared. faulthandler is enabled first, as pytest and
@@ -442,6 +445,7 @@ def test_a_mapping_beyond_the_address_space_limit_is_a_memory_error():
 
 
 def test_a_receiver_out_of_descriptors_is_told_of_its_descriptor_limit_and_loses_nothing():
+    needs_moves_into_arenas("receives that cost no descriptor per storage")
     # Each 9 MiB tensor comes in an arena of its own, which the receiver holds through a
     # descriptor of its own: under a limit of 64 descriptors, keeping them all runs out. The
     # error names the limit, not a missing /proc, and comes before a message is taken: once
@@ -490,6 +494,7 @@ def test_a_receiver_out_of_descriptors_is_told_of_its_descriptor_limit_and_loses
 
 
 def test_a_message_lost_at_the_descriptor_limit_says_so():
+    needs_moves_into_arenas("receives that cost no descriptor per storage")
     # Each message brings 6 arenas new to the receiver: 12 descriptors at once, more than the
     # reserve kept for finishing a message. Some are lost at the limit; every value either
     # arrives or an error says that its message is lost (or its descriptors were cut off),
