@@ -843,6 +843,7 @@ def test_a_fork_child_that_drops_what_it_inherited_gives_its_memory_back(strateg
     """A fork worker that drops the shared tensors it inherited no longer holds their memory
     while it lives on: the parent, having dropped them too, hands that memory out again (it
     used to stay held until the worker's first shared allocation, or its end)."""
+    needs_moves_into_arenas("arena slots handed out again")
     torch = import_torch()
     import tensorshare.multiprocessing as mp
 
