@@ -107,10 +107,7 @@ fn torch_storage_of<'py>(
     let Some(s) = with_table(|t| t.get(&addr).and_then(|e| e.torch.bind(py).upgrade())) else {
         return Ok(None);
     };
-    // torch may have given the storage other memory since (it says where its memory is).
-    let ptr: usize = api.storage_data_ptr.call0(&s)?.extract()?;
-    let nbytes: usize = api.storage_nbytes.call0(&s)?.extract()?;
-    Ok((ptr == addr && nbytes == storage.len()).then_some(s))
+    Ok(still_over(api, &s, storage)?.then_some(s))
 }
 
 /// The torch storage over `storage`, a CUDA allocation of the core on device `index`: the
@@ -147,9 +144,7 @@ fn torch_storage<'py>(
     });
     drop(gone);
     if let Some(theirs) = theirs {
-        let ptr: usize = api.storage_data_ptr.call0(&theirs)?.extract()?;
-        let nbytes: usize = api.storage_nbytes.call0(&theirs)?.extract()?;
-        if ptr == addr && nbytes == storage.len() {
+        if still_over(api, &theirs, storage)? {
             return Ok(theirs);
         }
     }
@@ -192,17 +187,7 @@ pub(crate) fn to_tensor(
     strides: &[usize],
     offset: usize,
 ) -> PyResult<Option<Tensor>> {
-    let s = api.t.untyped_storage.call0(obj)?;
-    let ptr: usize = api.storage_data_ptr.call0(&s)?.extract()?;
-    let nbytes: usize = api.storage_nbytes.call0(&s)?.extract()?;
-    if nbytes == 0 {
-        return Ok(None);
-    }
-    let Some(storage) =
-        with_table(|t| t.get(&ptr).filter(|e| e.storage.len() == nbytes).map(|e| e.storage.clone()))
-    else {
-        return Ok(None);
-    };
+    let Some(storage) = allocation_of(api, obj)? else { return Ok(None) };
     let device = api.t.device.get(obj)?;
     py.import("torch.cuda")?.call_method1("current_stream", (device,))?.call_method0("synchronize")?;
     Tensor::from_storage(storage, dtype, shape, strides, offset).map(Some).map_err(to_py)
@@ -221,10 +206,26 @@ pub(crate) fn covers(ptr: usize, nbytes: usize) -> bool {
 
 /// Whether torch CUDA tensor `obj` is over one of the core's allocations (and so a handle).
 pub(crate) fn is_ours(api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(allocation_of(api, obj)?.is_some())
+}
+
+/// The core's allocation that torch tensor `obj`'s storage is, whole, if any.
+fn allocation_of(api: &Api, obj: &Bound<'_, PyAny>) -> PyResult<Option<Storage>> {
     let s = api.t.untyped_storage.call0(obj)?;
     let ptr: usize = api.storage_data_ptr.call0(&s)?.extract()?;
     let nbytes: usize = api.storage_nbytes.call0(&s)?.extract()?;
-    Ok(nbytes != 0 && with_table(|t| t.get(&ptr).is_some_and(|e| e.storage.len() == nbytes)))
+    if nbytes == 0 {
+        return Ok(None);
+    }
+    Ok(with_table(|t| t.get(&ptr).filter(|e| e.storage.len() == nbytes).map(|e| e.storage.clone())))
+}
+
+/// Whether torch storage `s` still has `storage`'s memory (torch may give a storage other
+/// memory; it says where its memory is).
+fn still_over(api: &Api, s: &Bound<'_, PyAny>, storage: &Storage) -> PyResult<bool> {
+    let ptr: usize = api.storage_data_ptr.call0(s)?.extract()?;
+    let nbytes: usize = api.storage_nbytes.call0(s)?.extract()?;
+    Ok(ptr == storage.data_ptr() && nbytes == storage.len())
 }
 
 /// `tensorshare.empty_shared(shape, dtype, device="cuda:N")`: a torch tensor of `shape` over
